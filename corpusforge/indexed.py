@@ -1,0 +1,491 @@
+"""The Megatron-Core MMap indexed dataset: tokens in `{prefix}.bin`, their index in `{prefix}.idx`.
+
+Writer, reader, merge and validation live here together, so whoever changes one side sees the other.
+The layout is byte for byte what `megatron.core.datasets.indexed_dataset` writes and reads.
+
+`{prefix}.idx`, little-endian:
+
+    offset      size      field
+    0           9         magic b"MMIDIDX\\x00\\x00"
+    9           8   <Q    version, always 1
+    17          1   <B    dtype code of the tokens (see DTYPE_CODES)
+    18          8   <Q    S, the number of sequences
+    26          8   <Q    D, the number of document indices (documents + 1)
+    34          4*S int32 sequence lengths, in tokens
+    34+4S       8*S int64 sequence pointers: byte offset of each sequence in the .bin
+    34+12S      8*D int64 document indices: the first sequence of each document; starts at 0, ends at S
+   (34+12S+8D   1*S int8  sequence modes: only in Megatron's multimodal datasets)
+
+`{prefix}.bin` holds the tokens of every sequence back to back, with no header.
+
+A document is one or more sequences (Megatron splits documents into sentences when asked);
+corpusforge's preprocess writes one sequence per document.
+
+Example:
+    >>> with IndexedDatasetWriter("out/corpus_text_document", np.uint16) as w:
+    ...     w.add_document(np.array([464, 2068, 50256]))
+    >>> IndexedDataset("out/corpus_text_document")[0]
+    array([  464,  2068, 50256], dtype=uint16)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+LEGACY_MAGIC = b"TNTIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34
+
+# Megatron-Core's DType enum; the codes are part of the file format.
+DTYPE_CODES: dict[int, type[np.number]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+_CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
+
+
+class IndexedFormatError(ValueError):
+    """An .idx/.bin pair that is not a valid Megatron MMap indexed dataset."""
+
+
+def bin_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.bin")
+
+
+def idx_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.idx")
+
+
+def exists(prefix: str | os.PathLike) -> bool:
+    return bin_path(prefix).is_file() and idx_path(prefix).is_file()
+
+
+def best_dtype(vocab_size: int | None) -> type[np.number]:
+    """The smallest token dtype Megatron uses for a vocabulary: uint16 below 65500 ids, else int32.
+
+    Example: best_dtype(50257) -> np.uint16; best_dtype(100277) -> np.int32
+    """
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def dtype_code(dtype: np.dtype | type) -> int:
+    try:
+        return _CODE_OF[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {np.dtype(dtype)} has no Megatron code; use one of {sorted(map(str, _CODE_OF))}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (POSIX: the directory entry is data of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_index(
+    path: str | os.PathLike,
+    dtype: np.dtype | type,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
+    """Write an .idx file at `path` (not atomically: callers write to a temporary name)."""
+    lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int32)
+    pointers = sequence_pointers(lengths, np.dtype(dtype).itemsize)
+    doc_idx = np.ascontiguousarray(document_indices, dtype=np.int64)
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(doc_idx)))
+        f.write(memoryview(lengths))
+        f.write(memoryview(pointers))
+        f.write(memoryview(doc_idx))
+        if sequence_modes is not None:
+            f.write(memoryview(np.ascontiguousarray(sequence_modes, dtype=np.int8)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte offset of each sequence: the exclusive prefix sum of lengths, times the token size."""
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= itemsize
+    return pointers
+
+
+class IndexedDatasetWriter:
+    """Writes `{prefix}.bin/.idx`; nothing exists under those names until `finalize()` succeeds.
+
+    Tokens go to `{prefix}.bin.tmp` as they come; `finalize()` fsyncs it, writes `{prefix}.idx.tmp`, and
+    renames both. Used as a context manager, an exception discards the temporary files.
+
+    Example:
+        >>> with IndexedDatasetWriter("out/x_text_document", np.int32) as w:
+        ...     w.add_documents(np.array([1, 2, 3, 4, 5]), np.array([2, 3]))   # two documents
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type = np.int32) -> None:
+        self.prefix = os.fspath(prefix)
+        self.dtype = np.dtype(dtype)
+        dtype_code(self.dtype)  # refuse a dtype Megatron cannot name before writing anything
+        self._bin_final, self._idx_final = bin_path(prefix), idx_path(prefix)
+        self._bin_tmp = Path(f"{self._bin_final}.tmp")
+        self._idx_tmp = Path(f"{self._idx_final}.tmp")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize/discard
+        self._lengths: list[np.ndarray] = []  # chunks of int32 sequence lengths
+        self._doc_starts: list[np.ndarray] = []  # chunks of int64 document start indices
+        self._pending_lengths: list[int] = []  # add_item() sequences of the open document
+        self.num_sequences = 0
+        self.num_tokens = 0
+        self.finalized = False
+
+    # -- adding data -------------------------------------------------------------------------------------------
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append many one-sequence documents at once: `tokens` is their concatenation, `lengths` their sizes."""
+        self._check_open()
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != len(tokens):
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
+        self._write_tokens(tokens)
+        self._doc_starts.append(self.num_sequences + np.arange(len(lengths), dtype=np.int64))
+        self._lengths.append(lengths.astype(np.int32))
+        self.num_sequences += len(lengths)
+
+    def add_document(self, tokens: np.ndarray, lengths: Sequence[int] | None = None) -> None:
+        """Append one document; `lengths` splits it into several sequences (sentences), default one."""
+        tokens = np.asarray(tokens)
+        self.add_documents_with_sequences(tokens, [len(tokens)] if lengths is None else lengths)
+
+    def add_documents_with_sequences(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
+        self._check_open()
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != len(tokens):
+            raise ValueError(f"sequence lengths sum to {int(lengths.sum())} but the document has {len(tokens)} tokens")
+        self._write_tokens(tokens)
+        self._doc_starts.append(np.array([self.num_sequences], dtype=np.int64))
+        self._lengths.append(lengths.astype(np.int32))
+        self.num_sequences += len(lengths)
+
+    def add_dataset(self, prefix: str | os.PathLike) -> None:
+        """Append every document of an existing dataset, copying its .bin at disk speed (no re-tokenizing)."""
+        self._check_open()
+        src = IndexedDataset(prefix)
+        if src.dtype != self.dtype:
+            raise IndexedFormatError(
+                f"{src.prefix}: tokens are {src.dtype} but the output is {self.dtype}; "
+                "datasets made with different tokenizers cannot be merged"
+            )
+        self._bin.flush()
+        with open(src.bin_path, "rb") as f:
+            _copy_file(f, self._bin, src.num_tokens * self.dtype.itemsize)
+        self._lengths.append(src.sequence_lengths.copy())
+        self._doc_starts.append(src.document_indices[:-1] + self.num_sequences)
+        self.num_sequences += len(src)
+        self.num_tokens += src.num_tokens
+        src.close()
+
+    def _write_tokens(self, tokens: np.ndarray) -> None:
+        if tokens.dtype != self.dtype:
+            tokens = _cast_tokens(tokens, self.dtype)
+        self._bin.write(memoryview(np.ascontiguousarray(tokens)))
+        self.num_tokens += len(tokens)
+
+    def _check_open(self) -> None:
+        if self.finalized or self._bin.closed:
+            raise RuntimeError(f"{self.prefix}: writer is already finalized or discarded")
+
+    # -- finishing ---------------------------------------------------------------------------------------------
+
+    def finalize(self) -> Path:
+        """Make the dataset durable and visible under its final names; returns the prefix as a Path."""
+        self._check_open()
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
+        doc_idx = np.append(starts, np.int64(self.num_sequences))
+        write_index(self._idx_tmp, self.dtype, lengths, doc_idx)
+        # .bin first: a crash between the renames leaves a new .bin beside an old .idx, which the
+        # reader refuses (size mismatch), never a new .idx pointing into an old .bin.
+        os.replace(self._bin_tmp, self._bin_final)
+        os.replace(self._idx_tmp, self._idx_final)
+        fsync_dir(self._bin_final.parent)
+        self.finalized = True
+        return Path(self.prefix)
+
+    def discard(self) -> None:
+        """Drop everything written so far; the final names are left untouched."""
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._bin_tmp, self._idx_tmp):
+            p.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self.finalized:
+            self.finalize()
+        elif exc_type is not None:
+            self.discard()
+
+
+def _cast_tokens(tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Cast token ids to the dataset's dtype, refusing ids that would wrap around."""
+    if tokens.size and np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"token id {hi if hi > info.max else lo} does not fit the dataset dtype {dtype}")
+    return tokens.astype(dtype, copy=False)
+
+
+def _copy_file(src, dst, nbytes: int) -> None:
+    """Append the first `nbytes` of `src` to `dst`, inside the kernel (copy_file_range) where it can."""
+    copied = 0
+    try:
+        while copied < nbytes:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - copied, copied)
+            if n == 0:
+                break
+            copied += n
+    except OSError:  # cross-device or unsupported file system: finish in user space
+        pass
+    src.seek(copied)
+    while copied < nbytes:
+        chunk = src.read(min(16 << 20, nbytes - copied))
+        if not chunk:
+            raise IndexedFormatError(f"{src.name}: {copied} bytes, shorter than the {nbytes} its index promises")
+        dst.write(chunk)
+        copied += len(chunk)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    dtype: np.dtype
+    sequence_count: int
+    document_count: int
+
+
+def read_header(path: str | os.PathLike) -> IndexHeader:
+    """Read and check the fixed 34-byte header of an .idx file."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if head[: len(LEGACY_MAGIC)] == LEGACY_MAGIC:
+        raise IndexedFormatError(
+            f"{path}: this is the legacy (TNTIDX, lazy/cached) indexed format; "
+            "convert it with `corpusforge convert PREFIX --output-prefix NEW`"
+        )
+    if head[: len(MAGIC)] != MAGIC:
+        raise IndexedFormatError(f"{path}: not a Megatron MMap index (magic {head[:9]!r}, expected {MAGIC!r})")
+    if len(head) < HEADER_SIZE:
+        raise IndexedFormatError(f"{path}: truncated header ({len(head)} of {HEADER_SIZE} bytes)")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != VERSION:
+        raise IndexedFormatError(f"{path}: index version {version}, only version {VERSION} exists")
+    (code,) = struct.unpack_from("<B", head, 17)
+    if code not in DTYPE_CODES:
+        raise IndexedFormatError(f"{path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)})")
+    seq_count, doc_count = struct.unpack_from("<QQ", head, 18)
+    return IndexHeader(np.dtype(DTYPE_CODES[code]), seq_count, doc_count)
+
+
+class IndexedDataset:
+    """Zero-copy reader of `{prefix}.bin/.idx`: `ds[i]` is sequence i as a view into the memory-mapped .bin.
+
+    Opening checks the header, the file sizes, and that the first and last pointers fit the .bin, in O(1);
+    `validate()` checks every length, pointer and document index in O(S).
+
+    Example:
+        >>> ds = IndexedDataset("out/corpus_text_document")
+        >>> len(ds), ds.num_documents, ds.dtype
+        (1000, 1000, dtype('int32'))
+        >>> ds.get(3, offset=10, length=5)      # five tokens of sequence 3, from its 10th
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = os.fspath(prefix)
+        self.idx_path, self.bin_path = idx_path(prefix), bin_path(prefix)
+        for p in (self.idx_path, self.bin_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: no such file (a dataset is the pair {self.prefix}.bin/.idx)")
+        header = read_header(self.idx_path)
+        self.dtype = header.dtype
+        s, d = header.sequence_count, header.document_count
+        expected = HEADER_SIZE + 12 * s + 8 * d
+        size = self.idx_path.stat().st_size
+        if size not in (expected, expected + s):  # + s: the int8 sequence modes of multimodal datasets
+            raise IndexedFormatError(
+                f"{self.idx_path}: {size} bytes, but its header promises {s} sequences and {d} document "
+                f"indices ({expected} bytes); the file is truncated or corrupt"
+            )
+        self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        self.sequence_lengths = np.frombuffer(self._idx, np.int32, s, HEADER_SIZE)
+        self.sequence_pointers = np.frombuffer(self._idx, np.int64, s, HEADER_SIZE + 4 * s)
+        self.document_indices = np.frombuffer(self._idx, np.int64, d, HEADER_SIZE + 12 * s)
+        self.sequence_modes = np.frombuffer(self._idx, np.int8, s, expected) if size > expected else None
+        self._check_bounds()
+        nbytes = self.bin_path.stat().st_size
+        # np.memmap cannot map an empty file; an empty dataset has nothing to read anyway.
+        self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if nbytes else np.zeros(0, self.dtype)
+
+    def _check_bounds(self) -> None:
+        s, itemsize = len(self.sequence_lengths), self.dtype.itemsize
+        bin_size = self.bin_path.stat().st_size
+        doc = self.document_indices
+        if len(doc) == 0 or doc[0] != 0 or doc[-1] != s:
+            raise IndexedFormatError(
+                f"{self.idx_path}: document indices must run from 0 to the sequence count {s}, "
+                f"found {doc[:1].tolist()}..{doc[-1:].tolist()}"
+            )
+        end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if s else 0
+        if s and self.sequence_pointers[0] != 0:
+            raise IndexedFormatError(f"{self.idx_path}: first sequence pointer is {self.sequence_pointers[0]}, not 0")
+        if end != bin_size:
+            raise IndexedFormatError(
+                f"{self.prefix}: the index covers {end} bytes of tokens but {self.bin_path.name} has {bin_size}; "
+                "the .bin and .idx do not belong together, or one is truncated"
+            )
+
+    def validate(self) -> None:
+        """Check every length, pointer and document index against each other (O(S)); raise on the first fault."""
+        lengths = self.sequence_lengths
+        if len(lengths) and int(lengths.min()) < 0:
+            raise IndexedFormatError(f"{self.idx_path}: negative sequence length at {int(np.argmin(lengths))}")
+        expected = sequence_pointers(lengths, self.dtype.itemsize)
+        bad = np.flatnonzero(expected != self.sequence_pointers)
+        if len(bad):
+            i = int(bad[0])
+            raise IndexedFormatError(
+                f"{self.idx_path}: sequence {i} points at byte {int(self.sequence_pointers[i])}, "
+                f"but the lengths before it put it at {int(expected[i])}"
+            )
+        steps = np.diff(self.document_indices)
+        if len(steps) and int(steps.min()) < 0:
+            raise IndexedFormatError(f"{self.idx_path}: document indices decrease at {int(np.argmin(steps))}")
+
+    # -- access ------------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._bin)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range for {len(self)} sequences in {self.prefix}")
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
+        return self._bin[start : start + int(self.sequence_lengths[i])]
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """`length` tokens of sequence i from token `offset` (to its end when `length` is None)."""
+        seq = self[i]
+        return seq[offset:] if length is None else seq[offset : offset + length]
+
+    def document(self, d: int) -> np.ndarray:
+        """All tokens of document d (its sequences are contiguous in the .bin)."""
+        first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
+        if first == last:
+            return self._bin[:0]
+        start = int(self.sequence_pointers[first]) // self.dtype.itemsize
+        n = int(self.sequence_lengths[first:last].sum())
+        return self._bin[start : start + n]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the dataset, as one memory-mapped array."""
+        return self._bin
+
+    def close(self) -> None:
+        self._bin = self._idx = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents={self.num_documents}, dtype={self.dtype})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merging
+
+
+@dataclass(frozen=True)
+class MergeStats:
+    datasets: int
+    documents: int
+    sequences: int
+    tokens: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def merge(prefixes: Sequence[str | os.PathLike], output_prefix: str | os.PathLike) -> MergeStats:
+    """Concatenate datasets, in order, into `output_prefix` without re-tokenizing; atomic like every writer.
+
+    Example:
+        >>> merge(["shard0_text_document", "shard1_text_document"], "all_text_document").documents
+    """
+    import time
+
+    if not prefixes:
+        raise ValueError("merge needs at least one input dataset")
+    t0 = time.perf_counter()
+    headers = [read_header(idx_path(p)) for p in prefixes]  # fail on a bad input before writing anything
+    dtypes = {h.dtype for h in headers}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{os.fspath(p)} ({h.dtype})" for p, h in zip(prefixes, headers))
+        raise IndexedFormatError(f"cannot merge datasets of different token dtypes: {listing}")
+    out = os.fspath(output_prefix)
+    if any(os.path.abspath(os.fspath(p)) == os.path.abspath(out) for p in prefixes):
+        raise ValueError(f"{out}: the output prefix is also an input; choose another --output-prefix")
+    with IndexedDatasetWriter(out, dtypes.pop()) as w:
+        for p in prefixes:
+            w.add_dataset(p)
+    documents = sum(h.document_count - 1 for h in headers)
+    return MergeStats(
+        datasets=len(prefixes),
+        documents=documents,
+        sequences=w.num_sequences,
+        tokens=w.num_tokens,
+        bytes=w.num_tokens * w.dtype.itemsize,
+        seconds=time.perf_counter() - t0,
+    )
