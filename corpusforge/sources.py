@@ -1,0 +1,429 @@
+"""Input records for preprocessing: find the input files, cut them into tasks, read a task's documents.
+
+Formats: `.jsonl` / `.json` / `.ndjson` (one JSON object a line), the same compressed as `.gz` or `.zst`,
+`.parquet` (FineWeb and most hub corpora), and a local Hugging Face dataset directory written by
+`Dataset.save_to_disk`. A directory or glob expands to the supported files in it, sorted, so the document
+order never depends on the file system.
+
+A task is a slice of one input that a worker reads alone:
+
+    plain JSON lines      a byte range, cut at line ends     (many tasks per file)
+    .gz / .zst            the whole file                     (a compressed stream cannot be entered midway)
+    parquet               a run of row groups
+    HF dataset            a range of rows
+
+Tasks depend on the input and the task size only, never on the number of workers, and the output is their
+concatenation in order: the same input gives the same bytes for any `--workers`.
+
+Bad records are reported as `file:line: what is wrong` (a row number for parquet and HF datasets). Line
+numbers of a byte-range task are counted from the start of the file only when an error needs one.
+
+Example:
+    >>> tasks = plan_tasks(expand_inputs(["corpus/"]), task_bytes=64 << 20)
+    >>> for batch in read_task(tasks[0], keys=("text",), on_bad="skip"):
+    ...     batch.texts[0][:2], batch.bad
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+PARQUET_SUFFIXES = (".parquet",)
+BLOCK_BYTES = 4 << 20  # one read and one tokenizer batch; large enough to amortise per-call costs
+
+# The kinds of bad record, in the order the summary lists them.
+BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "not_string", "empty")
+
+
+class InputError(ValueError):
+    """An input that cannot be used at all (missing, unsupported, wrong schema); one line, with the fix."""
+
+
+class BadRecordError(ValueError):
+    """A bad record met with `--on-bad-line fail`; the message is `file:line: what is wrong (hint)`."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finding inputs
+
+
+def input_format(path: Path) -> str | None:
+    """'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet', 'hf' or None for a file corpusforge does not read."""
+    if path.is_dir():
+        return "hf" if (path / "state.json").is_file() and (path / "dataset_info.json").is_file() else None
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    for comp in COMPRESSED_SUFFIXES:
+        if name.endswith(comp) and name[: -len(comp)].endswith(JSONL_SUFFIXES):
+            return "jsonl.gz" if comp == ".gz" else "jsonl.zst"
+    return "jsonl" if name.endswith(JSONL_SUFFIXES) else None
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+    """Resolve files, directories and globs into the sorted list of readable inputs; refuse what is not there.
+
+    Example: expand_inputs(["data/*.jsonl.zst", "extra.parquet"])
+    """
+    found: list[Path] = []
+    for item in inputs:
+        text = os.fspath(item)
+        if glob.has_magic(text):
+            matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
+            paths = [p for p in matches if input_format(p)]
+            if not paths:
+                raise InputError(f"{text}: the pattern matches no .jsonl/.json(.gz|.zst)/.parquet file")
+        else:
+            paths = _expand_path(Path(text))
+        found.extend(paths)
+    seen: set[Path] = set()
+    unique = [p for p in found if not (p.resolve() in seen or seen.add(p.resolve()))]
+    if not unique:
+        raise InputError("no input files given")
+    return unique
+
+
+def _expand_path(path: Path) -> list[Path]:
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    fmt = input_format(path)
+    if fmt:
+        return [path]
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = ", ".join(sorted(p.name for p in path.iterdir() if p.is_dir()))
+            raise InputError(f"{path}: a Hugging Face DatasetDict; name one split directory ({splits})")
+        files = sorted(p for p in path.rglob("*") if p.is_file() and input_format(p))
+        if not files:
+            raise InputError(f"{path}: the directory holds no .jsonl/.json(.gz|.zst)/.parquet file")
+        return files
+    raise InputError(
+        f"{path}: unsupported input; use .jsonl/.json/.ndjson (optionally .gz or .zst), .parquet, "
+        "or a Hugging Face dataset directory saved with save_to_disk"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# planning tasks
+
+
+@dataclass(frozen=True)
+class Task:
+    """One independent slice of one input. `start`/`stop` are bytes (jsonl), row groups (parquet) or rows (hf)."""
+
+    index: int
+    path: str
+    format: str
+    start: int
+    stop: int
+    first_row: int = 0  # rows before this task in its file (parquet, hf), for error messages
+    size: int = 0  # bytes this task reads, roughly, for progress and ETA
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("index", "path", "format", "start", "stop", "first_row", "size")}
+
+
+def plan_tasks(files: Sequence[Path], task_bytes: int = 64 << 20) -> list[Task]:
+    """Cut the inputs into tasks of about `task_bytes` each (see the module docstring for the rules)."""
+    slices: list[tuple] = []
+    for path in files:
+        fmt = input_format(path)
+        if fmt == "jsonl":
+            slices += [(path, fmt, a, b, 0, b - a) for a, b in _line_aligned_ranges(path, task_bytes)]
+        elif fmt in ("jsonl.gz", "jsonl.zst"):
+            slices.append((path, fmt, 0, -1, 0, path.stat().st_size))
+        elif fmt == "parquet":
+            slices += [(path, fmt, *r) for r in _parquet_ranges(path, task_bytes)]
+        elif fmt == "hf":
+            slices += [(path, fmt, *r) for r in _hf_ranges(path, task_bytes)]
+    return [Task(i, os.fspath(p), f, a, b, first, size) for i, (p, f, a, b, first, size) in enumerate(slices)]
+
+
+def _line_aligned_ranges(path: Path, task_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges of about task_bytes, each ending just after a newline (or at the end of the file)."""
+    size = path.stat().st_size
+    cuts = [0]
+    with open(path, "rb") as f:
+        while cuts[-1] + task_bytes < size:
+            f.seek(cuts[-1] + task_bytes)
+            f.readline()  # finish the line the cut fell into
+            if f.tell() >= size:
+                break
+            cuts.append(f.tell())
+    cuts.append(size)
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a] or [(0, 0)]
+
+
+def _parquet_ranges(path: Path, task_bytes: int) -> list[tuple[int, int, int, int]]:
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    ranges, first_group, first_row, rows, nbytes = [], 0, 0, 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        rows += rg.num_rows
+        nbytes += rg.total_byte_size
+        if nbytes >= task_bytes or g == meta.num_row_groups - 1:
+            ranges.append((first_group, g + 1, first_row, nbytes))
+            first_group, first_row, rows, nbytes = g + 1, first_row + rows, 0, 0
+    return ranges or [(0, 0, 0, 0)]
+
+
+def _hf_ranges(path: Path, task_bytes: int) -> list[tuple[int, int, int, int]]:
+    dataset = _load_hf(path)
+    total = len(dataset)
+    nbytes = sum(f.stat().st_size for f in path.glob("*.arrow")) or 1
+    per_task = max(1, int(total * task_bytes / nbytes))
+    return [
+        (a, min(a + per_task, total), a, nbytes * (min(a + per_task, total) - a) // max(total, 1))
+        for a in range(0, total, per_task)
+    ] or [(0, 0, 0, 0)]
+
+
+def _load_hf(path: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"{path}: reading a Hugging Face dataset needs `pip install 'corpusforge[hf]'`") from None
+    return datasets.load_from_disk(os.fspath(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading a task
+
+
+@dataclass
+class RecordBatch:
+    """The good documents of one block of a task, one list of texts per key (aligned), and what was skipped."""
+
+    texts: list[list[str]]
+    input_bytes: int
+    records: int  # records read, good and bad
+    file_bytes: int = 0  # bytes of the input file consumed (compressed, for .gz/.zst): the unit of progress
+    bad: Counter = field(default_factory=Counter)
+    first_bad: str | None = None  # the first skipped record's `file:line: problem`, for the summary
+
+
+def read_task(task: Task, keys: Sequence[str], on_bad: str = "fail") -> Iterator[RecordBatch]:
+    """Yield the documents of `task` in order, in blocks; with on_bad='fail' raise BadRecordError on the first
+    bad record, with 'skip' count it in the batch and go on."""
+    if on_bad not in ("fail", "skip"):
+        raise ValueError(f"on_bad must be 'fail' or 'skip', not {on_bad!r}")
+    if task.format == "parquet":
+        yield from _read_parquet(task, keys, on_bad)
+    elif task.format == "hf":
+        yield from _read_hf(task, keys, on_bad)
+    else:
+        yield from _read_jsonl(task, keys, on_bad)
+
+
+def _open_stream(task: Task) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
+    """(the decompressed stream, the raw file under it, whose position measures progress)."""
+    raw = open(task.path, "rb")  # noqa: SIM115 - closed by the caller
+    if task.format == "jsonl.gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    if task.format == "jsonl.zst":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw), raw
+    raw.seek(task.start)
+    return raw, raw
+
+
+def _line_blocks(task: Task) -> Iterator[tuple[int, list[bytes], int]]:
+    """(number of the block's first line in the task, the block's lines, raw file bytes consumed), about
+    BLOCK_BYTES at a time."""
+    remaining = task.stop - task.start if task.stop >= 0 else -1
+    line_no, carry = 0, b""
+    stream, raw = _open_stream(task)
+    position = raw.tell()
+    with stream, raw:
+        while remaining:
+            want = BLOCK_BYTES if remaining < 0 else min(BLOCK_BYTES, remaining)
+            try:
+                block = stream.read(want)
+            except (OSError, EOFError, ValueError) as e:  # corrupt gzip/zstd stream
+                raise InputError(f"{task.path}: cannot decompress ({e}); the file is corrupt or truncated") from e
+            if not block:
+                break
+            if remaining > 0:
+                remaining -= len(block)
+            lines = (carry + block).split(b"\n")
+            carry = lines.pop()
+            consumed, position = raw.tell() - position, raw.tell()
+            yield line_no, lines, consumed
+            line_no += len(lines)
+    if carry:
+        yield line_no, [carry], 0
+
+
+def _read_jsonl(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBatch]:
+    loads = orjson.loads
+    for first_line, lines, file_bytes in _line_blocks(task):
+        columns: list[list[str]] = [[] for _ in keys]
+        batch = RecordBatch(columns, sum(map(len, lines)) + len(lines), 0, file_bytes)
+        for offset, line in enumerate(lines):
+            if not line.strip():  # blank lines (a trailing newline, CRLF leftovers) hold no record
+                continue
+            batch.records += 1
+            try:
+                record = loads(line)
+            except orjson.JSONDecodeError as e:
+                kind, problem = _classify_json_error(line, e)
+                _bad(task, first_line + offset, kind, problem, on_bad, batch)
+                continue
+            texts = _fields(record, keys)
+            if isinstance(texts, tuple):
+                _bad(task, first_line + offset, *texts, on_bad, batch)
+                continue
+            for column, text in zip(columns, texts):
+                column.append(text)
+        yield batch
+
+
+def _classify_json_error(line: bytes, error: Exception) -> tuple[str, str]:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line"
+    return "malformed_json", f"malformed JSON ({error})"
+
+
+def _fields(record, keys: Sequence[str]) -> list[str] | tuple[str, str]:
+    """The record's text for every key, or (kind, problem) for the first thing wrong with it."""
+    if not isinstance(record, dict):
+        return "malformed_json", f"expected a JSON object, found {type(record).__name__}"
+    texts = []
+    for key in keys:
+        if key not in record:
+            present = ", ".join(list(record)[:8])
+            return "missing_key", f"no key {key!r} (keys present: {present}); choose one with --json-keys"
+        text = record[key]
+        if not isinstance(text, str):
+            shown = "null" if text is None else type(text).__name__
+            return "not_string", f"{key!r} is {shown}, not a string"
+        if not text.strip():
+            return "empty", f"{key!r} is an empty document"
+        texts.append(text)
+    return texts
+
+
+def _bad(task: Task, line_in_task: int, kind: str, problem: str, on_bad: str, batch: RecordBatch) -> None:
+    if on_bad == "fail" or batch.first_bad is None:
+        where = f"{task.path}:{_absolute_line(task, line_in_task)}"
+        if on_bad == "fail":
+            raise BadRecordError(f"{where}: {problem} (pass --on-bad-line skip to skip and count such records)")
+        batch.first_bad = f"{where}: {problem}"
+    batch.bad[kind] += 1
+
+
+def _absolute_line(task: Task, line_in_task: int) -> int:
+    """1-based line number in the file; counts the newlines before a byte-range task only when asked."""
+    before = 0
+    if task.format == "jsonl" and task.start > 0:
+        with open(task.path, "rb") as f:
+            left = task.start
+            while left:
+                chunk = f.read(min(BLOCK_BYTES, left))
+                before += chunk.count(b"\n")
+                left -= len(chunk)
+    return before + line_in_task + 1
+
+
+# -- columnar inputs ---------------------------------------------------------------------------------------------
+
+
+def _read_parquet(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBatch]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(task.path)
+    _check_columns(task, pf.schema_arrow.names, keys)
+    row = task.first_row
+    groups = list(range(task.start, task.stop))
+    if not groups:
+        return
+    for table in pf.iter_batches(batch_size=8192, row_groups=groups, columns=list(keys)):
+        yield _columns_batch(task, keys, [table.column(k) for k in keys], row, on_bad)
+        row += table.num_rows
+
+
+def _read_hf(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBatch]:
+    dataset = _load_hf(Path(task.path))
+    _check_columns(task, dataset.column_names, keys)
+    table = dataset.select_columns(list(keys)).with_format("arrow")
+    for start in range(task.start, task.stop, 8192):
+        part = table[start : min(start + 8192, task.stop)]
+        yield _columns_batch(task, keys, [part.column(k) for k in keys], start, on_bad)
+
+
+def _check_columns(task: Task, names: Sequence[str], keys: Sequence[str]) -> None:
+    for key in keys:
+        if key not in names:
+            raise InputError(
+                f"{task.path}: no column {key!r} (columns: {', '.join(names)}); choose one with --json-keys"
+            )
+
+
+def _columns_batch(task: Task, keys: Sequence[str], columns: list, first_row: int, on_bad: str) -> RecordBatch:
+    """Turn arrow columns into aligned text lists, checking types, nulls and emptiness without a Python loop."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(columns[0])
+    good = pa.array([True] * n)
+    problems: list[tuple[int, str, str]] = []
+    for key, col in zip(keys, columns):
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            problems += [(i, "not_string", f"{key!r} is {col.type}, not a string") for i in range(n)]
+            good = pa.array([False] * n)
+            continue
+        empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(pc.fill_null(col, ""))), 0)
+        for mask, kind, what in (
+            (pc.is_null(col), "not_string", "is null, not a string"),
+            (empty, "empty", "is empty"),
+        ):
+            mask = pc.and_(mask, good)
+            problems += [(i, kind, f"{key!r} {what}") for i in pc.indices_nonzero(mask).to_pylist()]
+            good = pc.and_(good, pc.invert(mask))
+    nbytes = int(sum(c.nbytes for c in columns))
+    batch = RecordBatch([], nbytes, n, nbytes)
+    for i, kind, what in sorted(problems):
+        _bad_row(task, first_row + i, kind, what, on_bad, batch)
+    batch.texts = [pc.filter(col, good).to_pylist() if problems else col.to_pylist() for col in columns]
+    return batch
+
+
+def _bad_row(task: Task, row: int, kind: str, what: str, on_bad: str, batch: RecordBatch) -> None:
+    where = f"{task.path}:row {row + 1}"
+    if on_bad == "fail":
+        raise BadRecordError(f"{where}: {what} (pass --on-bad-line skip to skip and count such records)")
+    batch.bad[kind] += 1
+    batch.first_bad = batch.first_bad or f"{where}: {what}"
+
+
+def iter_texts(
+    files: Sequence[Path], keys: Sequence[str] = ("text",), on_bad: str = "fail", max_bytes: int | None = None
+) -> Iterator[str]:
+    """Every document text of the inputs, in order (each key's text in turn), up to about `max_bytes`.
+
+    Example: train_tokenizer(iter_texts(expand_inputs(["corpus/"])), 32000, Path("tok.json"))
+    """
+    seen = 0
+    for task in plan_tasks(files):
+        for batch in read_task(task, keys, on_bad):
+            for column in batch.texts:
+                yield from column
+            seen += batch.input_bytes
+            if max_bytes is not None and seen >= max_bytes:
+                return
