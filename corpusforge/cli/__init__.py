@@ -1,0 +1,24 @@
+"""The `corpusforge` command: one click group; each verb parses options, calls the library, prints.
+
+Exit status: 0 done; 1 error (one line on stderr naming the file and the fix); 2 bad usage;
+3 done, but bad records were skipped (`--on-bad-line skip`), so scripts notice that data was left out.
+"""
+
+from __future__ import annotations
+
+import click
+
+from corpusforge import __version__
+from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
+from corpusforge.cli.preprocess import preprocess_cmd
+from corpusforge.cli.tokenizer import train_tokenizer_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="corpusforge")
+def main() -> None:
+    """corpusforge: Megatron-format token datasets, fast, resumable, and honest about bad input."""
+
+
+for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd):
+    main.add_command(command)

@@ -1,0 +1,3 @@
+from corpusforge.cli import main
+
+main()

@@ -1,0 +1,75 @@
+"""`corpusforge merge`, `inspect` and `convert`: verbs over existing token datasets."""
+
+from __future__ import annotations
+
+import click
+
+from corpusforge.cli import _report
+
+
+@click.command("merge")
+@click.argument("prefixes", nargs=-1, required=True)
+@click.option("--output-prefix", required=True, help="Writes PREFIX.bin/.idx (give the full dataset prefix).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def merge_cmd(prefixes, output_prefix, as_json) -> None:
+    """Concatenate datasets (PREFIX.bin/.idx pairs) into one, without re-tokenizing, at disk speed."""
+    from dataclasses import asdict
+
+    from corpusforge.indexed import merge
+
+    with _report.clear_errors():
+        stats = merge(prefixes, output_prefix)
+    rows = [
+        ("output", f"{output_prefix}.bin/.idx"),
+        ("datasets", stats.datasets),
+        ("documents", stats.documents),
+        ("tokens", stats.tokens),
+        ("time", f"{stats.seconds:,.2f} s ({stats.gb_per_s:,.2f} GB/s)"),
+    ]
+    _report.print_summary("corpusforge merge", rows, {**asdict(stats), "gb_per_s": stats.gb_per_s} if as_json else None)
+
+
+@click.command("inspect")
+@click.argument("prefix")
+@click.option("--decode", "decode_n", type=click.IntRange(min=0), default=0, help="Show the first N documents as text.")
+@click.option("--tokenizer", default=None, help="Tokenizer for --decode [default: cl100k_base].")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def inspect_cmd(prefix, decode_n, tokenizer, as_json) -> None:
+    """Counts, dtype, document-length statistics and validity of a dataset; --decode N shows documents."""
+    from corpusforge.describe import decode_documents, describe
+
+    with _report.clear_errors():
+        summary = describe(prefix)
+        texts = []
+        if decode_n:
+            from corpusforge.tokenizers import load_tokenizer
+
+            texts = decode_documents(prefix, decode_n, load_tokenizer(tokenizer))
+    data = summary.to_dict()
+    if as_json:
+        _report.print_summary("", [], {**data, "decoded": texts} if decode_n else data)
+        return
+    _report.print_summary(f"corpusforge inspect {prefix}", [(k, v) for k, v in data.items() if k != "histogram"], None)
+    if data.get("histogram"):
+        click.echo("document length histogram (tokens: documents)")
+        for bucket, count in data["histogram"].items():
+            click.echo(f"  {bucket:>16}: {count:,}")
+    for i, text in enumerate(texts):
+        click.echo(click.style(f"--- document {i} ---", bold=True))
+        click.echo(text)
+
+
+@click.command("convert")
+@click.argument("prefix")
+@click.option("--output-prefix", required=True, help="Writes PREFIX.bin/.idx in the MMap format.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def convert_cmd(prefix, output_prefix, as_json) -> None:
+    """Convert a legacy (TNTIDX, lazy/cached) indexed dataset of older Megatron/fairseq to the MMap format."""
+    from dataclasses import asdict
+
+    from corpusforge.legacy import convert
+
+    with _report.clear_errors():
+        stats = convert(prefix, output_prefix)
+    data = asdict(stats)
+    _report.print_summary("corpusforge convert", list(data.items()), data if as_json else None)

@@ -1,0 +1,443 @@
+"""read → tokenize → write shards → merge: turn text corpora into Megatron token datasets, resumably.
+
+The input is cut into tasks (see `sources`); each task is tokenized by a worker process into its own part,
+`{prefix}.parts/part-NNNNN_{key}_document.bin/.idx`, finished atomically and then marked done by
+`part-NNNNN.done.json` (its statistics). When every part is done they are concatenated, in task order, into
+`{prefix}_{key}_document.bin/.idx` (written under temporary names and renamed), the resolved configuration
+and statistics go to `{prefix}.preprocess.json`, and the parts directory is removed.
+
+A killed run leaves finished parts and no final files; `resume=True` checks that the parts were made from
+the same inputs, keys and tokenizer (the manifest), and tokenizes only the missing tasks. Because the
+output is the concatenation of per-task results, it is byte-identical for any number of workers, and
+whether or not the run was interrupted.
+
+Example:
+    >>> stats = preprocess(PreprocessConfig(inputs=("corpus.jsonl",), output_prefix="out/corpus"))
+    >>> stats.documents, stats.tokens, stats.outputs
+    (1000, 512345, ['out/corpus_text_document'])
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge import indexed, sources
+from corpusforge.tokenizers import Tokenizer, load_tokenizer
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Everything that decides what `preprocess` writes; the CLI options are bound to these fields."""
+
+    inputs: tuple[str, ...]
+    """Input files, directories or globs (.jsonl/.json/.ndjson, .gz/.zst of those, .parquet, HF dataset dirs)."""
+    output_prefix: str
+    """Outputs are `{output_prefix}_{key}_document.bin/.idx`, as Megatron names them."""
+    json_keys: tuple[str, ...] = ("text",)
+    """Fields to tokenize; one output dataset per key. A record missing any of them is a bad record."""
+    tokenizer: str | None = None
+    """Encoding name (cl100k_base, o200k_base, gpt2), or a .tiktoken, tokenizer.json or sentencepiece .model path.
+    None: cl100k_base, shipped offline."""
+    engine: str = "auto"
+    """'auto' (gigatoken where it supports the tokenizer), 'gigatoken', or 'reference' (the tokenizer's own library)."""
+    append_eod: bool = True
+    """Append the tokenizer's end-of-document token to every document, so documents stay apart when packed."""
+    workers: int = 0
+    """Worker processes; 0 means one per available core."""
+    on_bad_line: str = "fail"
+    """'fail': stop at the first bad record with file:line; 'skip': skip bad records, count them by kind."""
+    resume: bool = False
+    """Reuse the finished parts of an interrupted run with the same inputs, keys and tokenizer."""
+    task_bytes: int = 0
+    """Input bytes per task; 0 picks about four tasks per worker, between 4 and 64 MiB."""
+
+    def output_prefixes(self) -> list[str]:
+        return [f"{self.output_prefix}_{key}_document" for key in self.json_keys]
+
+
+@dataclass
+class PreprocessStats:
+    """What a run did, as data; `to_dict()` is the `--json` summary."""
+
+    documents: int = 0
+    tokens: int = 0
+    input_bytes: int = 0
+    records: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    first_bad: str | None = None
+    seconds: float = 0.0
+    tasks: int = 0
+    tasks_resumed: int = 0
+    workers: int = 1
+    dtype: str = ""
+    tokenizer: str = ""
+    engine: str = ""
+    outputs: list[str] = field(default_factory=list)
+    already_complete: bool = False
+
+    @property
+    def bad_records(self) -> int:
+        return sum(self.bad.values())
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.input_bytes / 1e6 / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(bad_records=self.bad_records, mb_per_s=round(self.mb_per_s, 3), tokens_per_s=round(self.tokens_per_s))
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+@dataclass(frozen=True)
+class Progress:
+    """An increment of work, sent from workers to whoever watches (the CLI's progress bar).
+
+    The first event of a run carries `planned_bytes`, the total in the unit of `file_bytes` (bytes of the
+    input files; compressed bytes for .gz/.zst), and what resumed parts had already done."""
+
+    documents: int
+    tokens: int
+    file_bytes: int
+    planned_bytes: int = 0
+
+
+class PreprocessError(RuntimeError):
+    """A run that cannot go on; the message is one line naming the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None] | None = None) -> PreprocessStats:
+    """Tokenize `config.inputs` into Megatron datasets; see the module docstring for the guarantees."""
+    t0 = time.perf_counter()
+    _check_output_dir(config.output_prefix)
+    tokenizer = _tokenizer(config, threads=False)
+    workers = config.workers or _available_cores()
+    files = sources.expand_inputs(config.inputs)
+    fingerprint = _fingerprint(config, files, tokenizer)
+    summary_path = Path(f"{config.output_prefix}.preprocess.json")
+    if config.resume and _already_complete(config, summary_path, fingerprint):
+        saved = json.loads(summary_path.read_text())["stats"]
+        stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats)})
+        stats.already_complete, stats.seconds = True, time.perf_counter() - t0
+        return stats
+
+    parts = Path(f"{config.output_prefix}.parts")
+    tasks = _prepare_parts(config, parts, files, workers, fingerprint)
+    dtype = indexed.best_dtype(tokenizer.vocab_size)
+    done = {t.index: _read_done(parts, t.index) for t in tasks}
+    todo = [t for t in tasks if done[t.index] is None]
+    job = _Job(config, str(parts), np.dtype(dtype).str)
+    if on_progress:
+        resumed_bytes = sum(t.size for t in tasks if done[t.index] is not None)
+        on_progress = _with_plan(on_progress, Progress(0, 0, resumed_bytes, planned_bytes=sum(t.size for t in tasks)))
+    results = dict((i, r) for i, r in done.items() if r is not None)
+    try:
+        results.update(_run_tasks(job, todo, workers, on_progress))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise PreprocessError(
+            f"{parts}: {e.strerror.lower()} while writing tokens; finished parts are kept there: free space and "
+            "rerun with --resume, or delete that directory"
+        ) from e
+
+    stats = _combine(results, tasks, config, tokenizer, workers, dtype)
+    stats.tasks_resumed = len(tasks) - len(todo)
+    _merge_parts(config, parts, tasks)
+    stats.seconds = time.perf_counter() - t0
+    _write_json_atomic(summary_path, {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()})
+    shutil.rmtree(parts)
+    return stats
+
+
+def _check_output_dir(prefix: str) -> None:
+    parent = Path(prefix).parent
+    if not parent.is_dir():
+        raise PreprocessError(f"output directory {parent} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK):
+        raise PreprocessError(f"output directory {parent} is not writable")
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the manifest: what the parts were made from
+
+
+def _fingerprint(config: PreprocessConfig, files: Sequence[Path], tokenizer: Tokenizer) -> dict:
+    """What must match for finished parts to be reused: inputs (name, size, mtime), keys, tokenizer, EOD."""
+    return {
+        "version": MANIFEST_VERSION,
+        "inputs": [[os.fspath(f.resolve()), *_stat(f)] for f in files],
+        "json_keys": list(config.json_keys),
+        "tokenizer": tokenizer.fingerprint,
+        "append_eod": config.append_eod,
+    }
+
+
+def _stat(path: Path) -> list[int]:
+    if path.is_dir():  # an HF dataset: its arrow files are the data
+        files = sorted(path.glob("*.arrow"))
+        return [sum(f.stat().st_size for f in files), max((f.stat().st_mtime_ns for f in files), default=0)]
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _already_complete(config: PreprocessConfig, summary_path: Path, fingerprint: dict) -> bool:
+    if not summary_path.is_file():
+        return False
+    previous = json.loads(summary_path.read_text())
+    return previous.get("fingerprint") == fingerprint and all(indexed.exists(p) for p in config.output_prefixes())
+
+
+def _prepare_parts(config: PreprocessConfig, parts: Path, files, workers: int, fingerprint: dict) -> list:
+    """Reuse the task plan of an interrupted run (resume), or start a fresh parts directory."""
+    manifest_path = parts / "manifest.json"
+    if config.resume and manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["fingerprint"] != fingerprint:
+            differs = ", ".join(k for k in fingerprint if manifest["fingerprint"].get(k) != fingerprint[k])
+            raise PreprocessError(
+                f"{parts}: the unfinished run was made with other {differs}; run without --resume to start over"
+            )
+        for leftover in parts.glob("*.tmp"):  # a killed worker's unfinished part
+            leftover.unlink()
+        return [sources.Task(**t) for t in manifest["tasks"]]
+    if parts.exists():
+        shutil.rmtree(parts)
+    parts.mkdir()
+    total = sum(_stat(f)[0] for f in files)
+    task_bytes = config.task_bytes or int(np.clip(total // (4 * workers), 4 << 20, 64 << 20))
+    tasks = sources.plan_tasks(files, task_bytes)
+    _write_json_atomic(manifest_path, {"fingerprint": fingerprint, "tasks": [t.to_dict() for t in tasks]})
+    return tasks
+
+
+def _read_done(parts: Path, index: int) -> dict | None:
+    path = parts / f"part-{index:05d}.done.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running tasks
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a worker needs to run a task: picklable, small."""
+
+    config: PreprocessConfig
+    parts: str
+    dtype: str
+
+
+def _run_tasks(job: _Job, todo: list, workers: int, on_progress) -> dict[int, dict]:
+    if not todo:
+        return {}
+    if workers == 1 or len(todo) == 1:
+        # In this process: tokenize on as many threads as workers were asked for.
+        return {t.index: _run_task(job, t, on_progress, threads=workers > 1) for t in todo}
+    # fork, not spawn: workers inherit the tokenizer loaded here instead of each loading it again, which on a
+    # few hundred MB of input costs as much as the tokenizing. Safe because this process has started no
+    # thread yet (the progress bar starts on the first event, sent below) and has never encoded in parallel
+    # (gigatoken's thread pool would not survive a fork).
+    ctx = mp.get_context("fork")
+    progress_queue = ctx.Queue()
+    results: dict[int, dict] = {}
+    with ProcessPoolExecutor(min(workers, len(todo)), ctx, _init_worker, (progress_queue,)) as pool:
+        pending = {pool.submit(_run_task_in_worker, job, t): t for t in todo}
+        while pending:
+            finished, _ = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+            _drain(progress_queue, on_progress)
+            for fut in finished:
+                task = pending.pop(fut)
+                if fut.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise fut.exception()
+                results[task.index] = fut.result()
+        _drain(progress_queue, on_progress)
+    return results
+
+
+def _drain(progress_queue, on_progress) -> None:
+    while True:
+        try:
+            item = progress_queue.get_nowait()
+        except queue.Empty:
+            return
+        if on_progress:
+            on_progress(item)
+
+
+_worker_queue = None
+
+
+def _init_worker(progress_queue) -> None:
+    global _worker_queue
+    _worker_queue = progress_queue
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies, so a killed run leaves no orphan writing parts."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_task_in_worker(job: _Job, task) -> dict:
+    return _run_task(job, task, _worker_queue.put, threads=False)
+
+
+_tokenizer_cache: dict = {}
+
+
+def _tokenizer(config: PreprocessConfig, threads: bool) -> Tokenizer:
+    """Load once per process; forked workers find the parent's copy here."""
+    key = (config.tokenizer, config.engine, threads)
+    if key not in _tokenizer_cache:
+        _tokenizer_cache[key] = load_tokenizer(config.tokenizer, engine=config.engine, threads=threads)
+    return _tokenizer_cache[key]
+
+
+def _with_plan(on_progress: Callable[[Progress], None], plan: Progress) -> Callable[[Progress], None]:
+    """Send the plan with the first real event: until then the watcher starts nothing (no thread before fork)."""
+    sent = False
+
+    def forward(update: Progress) -> None:
+        nonlocal sent
+        if not sent:
+            sent = True
+            on_progress(plan)
+        on_progress(update)
+
+    return forward
+
+
+def _run_task(job: _Job, task, on_progress, threads: bool) -> dict:
+    """Tokenize one task into its part files, then write its done marker; returns the task's statistics."""
+    cfg = job.config
+    tokenizer = _tokenizer(cfg, threads)
+    eod = tokenizer.eod_id if cfg.append_eod else None
+    if cfg.append_eod and eod is None:
+        raise PreprocessError(f"tokenizer {tokenizer.name} has no end-of-document token; pass --no-append-eod")
+    prefix = Path(job.parts) / f"part-{task.index:05d}"
+    writers = [indexed.IndexedDatasetWriter(f"{prefix}_{k}_document", job.dtype) for k in cfg.json_keys]
+    stats = {"documents": 0, "tokens": 0, "input_bytes": 0, "records": 0, "bad": Counter(), "first_bad": None}
+    try:
+        for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line):
+            tokens = 0
+            for writer, texts in zip(writers, batch.texts):
+                flat, lengths = tokenizer.encode_batch(texts)
+                if eod is not None:
+                    flat, lengths = append_eod(flat, lengths, eod)
+                writer.add_documents(flat, lengths)
+                tokens += len(flat)
+            docs = len(batch.texts[0]) if batch.texts else 0
+            stats["documents"] += docs
+            stats["tokens"] += tokens
+            stats["input_bytes"] += batch.input_bytes
+            stats["records"] += batch.records
+            stats["bad"].update(batch.bad)
+            stats["first_bad"] = stats["first_bad"] or batch.first_bad
+            if on_progress:
+                on_progress(Progress(docs, tokens, batch.file_bytes))
+        for writer in writers:
+            writer.finalize()
+    except BaseException:
+        for writer in writers:
+            writer.discard()
+        raise
+    stats["bad"] = dict(stats["bad"])
+    _write_json_atomic(Path(f"{prefix}.done.json"), stats)
+    return stats
+
+
+def append_eod(flat: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
+    """Insert `eod` after every document of a flat batch, without a per-document loop.
+
+    Example: append_eod(np.array([5, 6, 7]), np.array([2, 1]), 0) -> ([5, 6, 0, 7, 0], [3, 2])
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = np.empty(len(flat) + len(lengths), dtype=np.result_type(flat.dtype, np.min_scalar_type(eod)))
+    ends = np.cumsum(lengths + 1) - 1
+    is_token = np.ones(len(out), dtype=bool)
+    is_token[ends] = False
+    out[is_token] = flat
+    out[ends] = eod
+    return out, lengths + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finishing
+
+
+def _combine(results: dict[int, dict], tasks, config, tokenizer, workers, dtype) -> PreprocessStats:
+    stats = PreprocessStats(tasks=len(tasks), workers=workers, dtype=np.dtype(dtype).name)
+    bad: Counter = Counter()
+    for task in tasks:  # in task order, so first_bad is the first bad record of the input
+        r = results[task.index]
+        stats.documents += r["documents"]
+        stats.tokens += r["tokens"]
+        stats.input_bytes += r["input_bytes"]
+        stats.records += r["records"]
+        bad.update(r["bad"])
+        stats.first_bad = stats.first_bad or r["first_bad"]
+    stats.bad = {k: bad[k] for k in sources.BAD_KINDS if bad[k]}
+    stats.tokenizer, stats.engine = tokenizer.name, tokenizer.backend
+    stats.outputs = config.output_prefixes()
+    return stats
+
+
+def _merge_parts(config: PreprocessConfig, parts: Path, tasks) -> None:
+    for key, final in zip(config.json_keys, config.output_prefixes()):
+        part_prefixes = [parts / f"part-{t.index:05d}_{key}_document" for t in tasks]
+        if len(part_prefixes) == 1:  # one part is already the whole dataset: rename, do not copy
+            for path_of in (indexed.bin_path, indexed.idx_path):
+                os.replace(path_of(part_prefixes[0]), path_of(final))
+            indexed.fsync_dir(Path(final).parent)
+        else:
+            indexed.merge(part_prefixes, final)
