@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,7 +85,9 @@ def dtype_code(dtype: np.dtype | type) -> int:
     try:
         return _CODE_OF[np.dtype(dtype)]
     except KeyError:
-        raise ValueError(f"dtype {np.dtype(dtype)} has no Megatron code; use one of {sorted(map(str, _CODE_OF))}")
+        raise ValueError(
+            f"dtype {np.dtype(dtype)} has no Megatron code; use one of {sorted(map(str, _CODE_OF))}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class IndexedDatasetWriter:
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many one-sequence documents at once: `tokens` is their concatenation, `lengths` their sizes."""
         self._check_open()
-        lengths = np.asarray(lengths, dtype=np.int64)
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != len(tokens):
             raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
         self._write_tokens(tokens)
@@ -195,6 +196,9 @@ class IndexedDatasetWriter:
         """Append every document of an existing dataset, copying its .bin at disk speed (no re-tokenizing)."""
         self._check_open()
         src = IndexedDataset(prefix)
+        # The output's pointers are recomputed from the lengths: an input whose pointers disagree with its
+        # lengths would come out silently different from what it reads as, so check it (O(S), cheap next to the copy).
+        src.validate()
         if src.dtype != self.dtype:
             raise IndexedFormatError(
                 f"{src.prefix}: tokens are {src.dtype} but the output is {self.dtype}; "
@@ -224,17 +228,21 @@ class IndexedDatasetWriter:
     def finalize(self) -> Path:
         """Make the dataset durable and visible under its final names; returns the prefix as a Path."""
         self._check_open()
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
-        doc_idx = np.append(starts, np.int64(self.num_sequences))
-        write_index(self._idx_tmp, self.dtype, lengths, doc_idx)
-        # .bin first: a crash between the renames leaves a new .bin beside an old .idx, which the
-        # reader refuses (size mismatch), never a new .idx pointing into an old .bin.
-        os.replace(self._bin_tmp, self._bin_final)
-        os.replace(self._idx_tmp, self._idx_final)
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+            starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
+            doc_idx = np.append(starts, np.int64(self.num_sequences))
+            write_index(self._idx_tmp, self.dtype, lengths, doc_idx)
+            # .bin first: a crash between the renames leaves a new .bin beside an old .idx, which the
+            # reader refuses (size mismatch), never a new .idx pointing into an old .bin.
+            os.replace(self._bin_tmp, self._bin_final)
+            os.replace(self._idx_tmp, self._idx_final)
+        except BaseException:
+            self.discard()  # e.g. disk full while writing the .idx: leave no .tmp files behind
+            raise
         fsync_dir(self._bin_final.parent)
         self.finalized = True
         return Path(self.prefix)
@@ -307,6 +315,8 @@ def read_header(path: str | os.PathLike) -> IndexHeader:
             f"{path}: this is the legacy (TNTIDX, lazy/cached) indexed format; "
             "convert it with `corpusforge convert PREFIX --output-prefix NEW`"
         )
+    if len(head) < len(MAGIC) and MAGIC.startswith(head):  # cut inside the magic, or empty
+        raise IndexedFormatError(f"{path}: truncated header ({len(head)} of {HEADER_SIZE} bytes)")
     if head[: len(MAGIC)] != MAGIC:
         raise IndexedFormatError(f"{path}: not a Megatron MMap index (magic {head[:9]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_SIZE:
@@ -421,6 +431,9 @@ class IndexedDataset:
 
     def document(self, d: int) -> np.ndarray:
         """All tokens of document d (its sequences are contiguous in the .bin)."""
+        if not -self.num_documents <= d < self.num_documents:
+            raise IndexError(f"document {d} out of range for {self.num_documents} documents in {self.prefix}")
+        d %= self.num_documents
         first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
         if first == last:
             return self._bin[:0]
@@ -437,7 +450,8 @@ class IndexedDataset:
         self._bin = self._idx = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents={self.num_documents}, dtype={self.dtype})"
+        counts = f"sequences={len(self)}, documents={self.num_documents}"
+        return f"IndexedDataset({self.prefix!r}, {counts}, dtype={self.dtype})"
 
 
 # ---------------------------------------------------------------------------------------------------------------

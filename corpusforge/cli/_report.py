@@ -24,8 +24,9 @@ def fail(message: str, code: int = EXIT_ERROR) -> None:
 
 
 @contextmanager
-def clear_errors():
-    """Turn the library's expected failures into one line and exit 1; anything else is a bug and shows a traceback."""
+def clear_errors(also: tuple[type[Exception], ...] = ()):
+    """Turn the library's expected failures into one line and exit 1; anything else is a bug and shows a traceback.
+    `also` adds exception types that a verb's library call raises only for bad arguments."""
     from corpusforge.indexed import IndexedFormatError
     from corpusforge.preprocess import PreprocessError
     from corpusforge.sources import BadRecordError, InputError
@@ -34,6 +35,8 @@ def clear_errors():
     try:
         yield
     except (IndexedFormatError, PreprocessError, BadRecordError, InputError, TokenizerError, FileNotFoundError) as e:
+        fail(str(e))
+    except also as e:
         fail(str(e))
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -104,5 +107,15 @@ def print_summary(title: str, rows: list[tuple[str, object]], as_json: dict | No
     table.add_column(style="bold")
     table.add_column()
     for name, value in rows:
-        table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
+        table.add_row(name, _cell(value))
     Console(highlight=False).print(table)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, bool):  # before int: bool is an int
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    return str(value)

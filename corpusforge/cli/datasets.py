@@ -17,7 +17,7 @@ def merge_cmd(prefixes, output_prefix, as_json) -> None:
 
     from corpusforge.indexed import merge
 
-    with _report.clear_errors():
+    with _report.clear_errors(also=(ValueError,)):
         stats = merge(prefixes, output_prefix)
     rows = [
         ("output", f"{output_prefix}.bin/.idx"),
@@ -62,14 +62,24 @@ def inspect_cmd(prefix, decode_n, tokenizer, as_json) -> None:
 @click.command("convert")
 @click.argument("prefix")
 @click.option("--output-prefix", required=True, help="Writes PREFIX.bin/.idx in the MMap format.")
+@click.option(
+    "--lua-shift/--no-lua-shift",
+    default=None,
+    help="Subtract 1 from every id, undoing fairseq's +1 [default: on for fairseq's layout, off for Megatron's].",
+)
+@click.option("--one-document-per-item", is_flag=True, help="Every legacy item a document (when doc_idx is missing).")
+@click.option("--dtype", default=None, help="Token dtype of the output, e.g. uint16 [default: the source's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def convert_cmd(prefix, output_prefix, as_json) -> None:
+def convert_cmd(prefix, output_prefix, lua_shift, one_document_per_item, dtype, as_json) -> None:
     """Convert a legacy (TNTIDX, lazy/cached) indexed dataset of older Megatron/fairseq to the MMap format."""
     from dataclasses import asdict
 
     from corpusforge.legacy import convert
 
-    with _report.clear_errors():
-        stats = convert(prefix, output_prefix)
+    with _report.clear_errors(also=(ValueError,)):
+        stats = convert(
+            prefix, output_prefix, dtype=dtype, lua_shift=lua_shift, one_document_per_item=one_document_per_item
+        )
     data = asdict(stats)
+    data["seconds"] = round(data["seconds"], 3)
     _report.print_summary("corpusforge convert", list(data.items()), data if as_json else None)

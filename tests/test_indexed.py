@@ -1,0 +1,526 @@
+"""corpusforge.indexed against the real megatron-core: both directions, byte for byte, plus refusal of bad files.
+
+megatron-core is imported only here, inside the tests: the package itself never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corpusforge import indexed
+from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError, merge, read_header
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron.core's indexed_dataset module (a dev dependency: its absence is a failure, not a skip)."""
+    from megatron.core.datasets import indexed_dataset
+
+    return indexed_dataset
+
+
+def make_documents(seed: int, n: int, vocab: int) -> list[list[np.ndarray]]:
+    """n documents, each a list of 0..3 sequences of 0..40 tokens: empty sequences and empty documents included."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n):
+        n_seq = int(rng.choice([0, 1, 1, 1, 2, 3]))
+        docs.append([rng.integers(0, vocab, int(rng.integers(0, 41))) for _ in range(n_seq)])
+    docs[0] = [np.array([], dtype=np.int64)]  # one empty sequence
+    docs[1] = []  # no sequence at all
+    return docs
+
+
+def write_ours(prefix: Path, docs: list[list[np.ndarray]], dtype) -> None:
+    with IndexedDatasetWriter(prefix, dtype) as w:
+        for seqs in docs:
+            tokens = np.concatenate(seqs) if seqs else np.zeros(0, np.int64)
+            w.add_document(tokens, [len(s) for s in seqs])
+
+
+def write_megatron_builder(mcore, prefix: Path, docs: list[list[np.ndarray]], dtype) -> None:
+    """The same documents through megatron's own builder, alternating its two ways of adding a document."""
+    import torch
+
+    b = mcore.IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for i, seqs in enumerate(docs):
+        if i % 2 and seqs:
+            b.add_document(np.concatenate(seqs), [len(s) for s in seqs])
+        else:
+            for s in seqs:
+                b.add_item(torch.from_numpy(s))
+            b.end_document()
+    b.finalize(f"{prefix}.idx")
+
+
+def flat_sequences(docs):
+    return [s for seqs in docs for s in seqs]
+
+
+def assert_same_as_megatron(ours: IndexedDataset, theirs) -> None:
+    assert len(ours) == len(theirs)
+    assert ours.dtype == np.dtype(theirs.index.dtype)
+    np.testing.assert_array_equal(ours.sequence_lengths, theirs.sequence_lengths)
+    np.testing.assert_array_equal(ours.document_indices, theirs.document_indices)
+    np.testing.assert_array_equal(ours.sequence_pointers, theirs.index.sequence_pointers)
+    for i in range(len(ours)):
+        a, b = ours[i], theirs[i]
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# both directions with megatron-core
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_our_files_load_in_megatron(tmp_path, mcore, dtype):
+    docs = make_documents(0, 300, 65000 if dtype is np.uint16 else 200_000)
+    write_ours(tmp_path / "ours", docs, dtype)
+
+    theirs = mcore.IndexedDataset(str(tmp_path / "ours"))
+    ours = IndexedDataset(tmp_path / "ours")
+    assert_same_as_megatron(ours, theirs)
+    expected = flat_sequences(docs)
+    assert len(theirs) == len(expected)
+    for i, seq in enumerate(expected):
+        np.testing.assert_array_equal(theirs[i], seq)
+    assert theirs.document_indices.tolist() == np.cumsum([0] + [len(d) for d in docs]).tolist()
+    # partial reads agree too (megatron's get(i, offset, length))
+    i = next(k for k, s in enumerate(expected) if len(s) > 10)
+    np.testing.assert_array_equal(ours.get(i, 3, 5), theirs.get(i, offset=3, length=5))
+
+
+def test_bulk_add_documents_loads_in_megatron(tmp_path, mcore):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 50, 1000)
+    tokens = rng.integers(0, 50257, int(lengths.sum()))
+    with IndexedDatasetWriter(tmp_path / "bulk", np.uint16) as w:
+        w.add_documents(tokens[: int(lengths[:400].sum())], lengths[:400])
+        w.add_documents(tokens[int(lengths[:400].sum()) :], lengths[400:])
+    theirs = mcore.IndexedDataset(str(tmp_path / "bulk"))
+    assert theirs.document_indices.tolist() == list(range(1001))
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for i in range(1000):
+        np.testing.assert_array_equal(theirs[i], tokens[starts[i] : starts[i + 1]])
+
+
+# megatron's __del__ methods then trip over the half-built objects; that noise is theirs.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_empty_dataset(tmp_path, mcore):
+    with IndexedDatasetWriter(tmp_path / "empty", np.uint16):
+        pass
+    ours = IndexedDataset(tmp_path / "empty")
+    assert (len(ours), ours.num_documents, ours.num_tokens) == (0, 0, 0)
+    ours.validate()
+    assert ours.document_indices.tolist() == [0]
+    # megatron-core 0.16 memory-maps the .bin unconditionally, and numpy cannot map an empty file:
+    # it refuses its own empty datasets the same way, so there is nothing more to compare.
+    try:
+        theirs = mcore.IndexedDataset(str(tmp_path / "empty"))
+    except ValueError as e:
+        assert "empty" in str(e)
+    else:
+        assert len(theirs) == 0
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_builder_files_load_in_ours(tmp_path, mcore, dtype):
+    docs = make_documents(2, 300, 65000 if dtype is np.uint16 else 200_000)
+    write_megatron_builder(mcore, tmp_path / "theirs", docs, dtype)
+
+    ours = IndexedDataset(tmp_path / "theirs")
+    ours.validate()
+    assert ours.dtype == np.dtype(dtype)
+    expected = flat_sequences(docs)
+    assert len(ours) == len(expected)
+    for i, seq in enumerate(expected):
+        np.testing.assert_array_equal(ours[i], seq)
+    assert ours.document_indices.tolist() == np.cumsum([0] + [len(d) for d in docs]).tolist()
+    for d, seqs in enumerate(docs):
+        np.testing.assert_array_equal(ours.document(d), np.concatenate(seqs) if seqs else [])
+    assert_same_as_megatron(ours, mcore.IndexedDataset(str(tmp_path / "theirs")))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_byte_identical_to_megatron_builder(tmp_path, mcore, dtype):
+    docs = make_documents(3, 500, 60000)
+    write_ours(tmp_path / "ours", docs, dtype)
+    write_megatron_builder(mcore, tmp_path / "theirs", docs, dtype)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes(), ext
+
+
+def test_multimodal_sequence_modes_are_read(tmp_path, mcore):
+    import torch
+
+    b = mcore.IndexedDatasetBuilder(str(tmp_path / "mm.bin"), dtype=np.int32, multimodal=True)
+    b.add_item(torch.tensor([1, 2, 3]), mode=0)
+    b.add_item(torch.tensor([4, 5]), mode=1)
+    b.end_document()
+    b.finalize(str(tmp_path / "mm.idx"))
+    ours = IndexedDataset(tmp_path / "mm")
+    ours.validate()
+    assert ours.sequence_modes.tolist() == [0, 1]
+    np.testing.assert_array_equal(ours.document(0), [1, 2, 3, 4, 5])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge
+
+
+def test_merge_equals_megatron_add_index(tmp_path, mcore):
+    parts = []
+    for k, n in enumerate([50, 0, 1, 120]):
+        prefix = tmp_path / f"part{k}"
+        write_ours(prefix, make_documents(10 + k, max(n, 2), 60000)[:n], np.uint16)
+        parts.append(prefix)
+
+    stats = merge(parts, tmp_path / "merged")
+
+    b = mcore.IndexedDatasetBuilder(str(tmp_path / "reference.bin"), dtype=np.uint16)
+    for p in parts:
+        b.add_index(str(p))
+    b.finalize(str(tmp_path / "reference.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"merged{ext}").read_bytes() == (tmp_path / f"reference{ext}").read_bytes(), ext
+
+    inputs = [IndexedDataset(p) for p in parts]
+    assert stats.datasets == 4
+    assert stats.documents == sum(d.num_documents for d in inputs)
+    assert stats.sequences == sum(len(d) for d in inputs)
+    assert stats.tokens == sum(d.num_tokens for d in inputs)
+    assert stats.bytes == 2 * stats.tokens
+    merged = IndexedDataset(tmp_path / "merged")
+    merged.validate()
+    np.testing.assert_array_equal(merged.tokens, np.concatenate([d.tokens for d in inputs]))
+
+
+def test_merge_refuses_mixed_dtypes(tmp_path):
+    write_ours(tmp_path / "a", [[np.array([1, 2])]], np.uint16)
+    write_ours(tmp_path / "b", [[np.array([1, 2])]], np.int32)
+    with pytest.raises(IndexedFormatError, match=r"different token dtypes.*a \(uint16\).*b \(int32\)"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_merge_refuses_output_equal_to_input(tmp_path):
+    write_ours(tmp_path / "a", [[np.array([1, 2])]], np.uint16)
+    write_ours(tmp_path / "b", [[np.array([3])]], np.uint16)
+    before = (tmp_path / "a.bin").read_bytes(), (tmp_path / "a.idx").read_bytes()
+    with pytest.raises(ValueError, match="output prefix is also an input"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "a")
+    assert ((tmp_path / "a.bin").read_bytes(), (tmp_path / "a.idx").read_bytes()) == before
+
+
+def test_merge_refuses_input_with_inconsistent_pointers(tmp_path):
+    write_ours(tmp_path / "a", [[np.arange(5)], [np.arange(6)], [np.arange(7)]], np.int32)
+    patch_idx(tmp_path / "a.idx", pointer_offset(3, 1), struct.pack("<q", 4))  # sequence 1 should start at byte 20
+    with pytest.raises(IndexedFormatError, match="points at byte 4"):
+        merge([tmp_path / "a"], tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_merge_refuses_a_bad_input_before_writing(tmp_path):
+    write_ours(tmp_path / "a", [[np.array([1, 2])]], np.uint16)
+    (tmp_path / "b.idx").write_bytes(b"garbage" * 10)
+    (tmp_path / "b.bin").write_bytes(b"")
+    with pytest.raises(IndexedFormatError, match="not a Megatron MMap index"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert not list(tmp_path.glob("out*"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# refusing bad files
+
+
+def pointer_offset(s: int, i: int) -> int:
+    """Byte offset of sequence pointer i in an .idx with s sequences (see the layout in indexed.py)."""
+    return indexed.HEADER_SIZE + 4 * s + 8 * i
+
+
+def doc_index_offset(s: int, i: int) -> int:
+    return indexed.HEADER_SIZE + 12 * s + 8 * i
+
+
+def patch_idx(path: Path, offset: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset : offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    """Four one-sequence documents of 3, 4, 5, 6 int32 tokens: S = 4, D = 5, a .bin of 72 bytes."""
+    prefix = tmp_path / "good"
+    write_ours(prefix, [[np.arange(n)] for n in (3, 4, 5, 6)], np.int32)
+    IndexedDataset(prefix).validate()
+    return prefix
+
+
+def _bad_magic(p):
+    patch_idx(p.with_suffix(".idx"), 0, b"XXIDIDX\x00\x00")
+
+
+def _legacy_magic(p):
+    patch_idx(p.with_suffix(".idx"), 0, b"TNTIDX\x00\x00")
+
+
+def _version_2(p):
+    patch_idx(p.with_suffix(".idx"), 9, struct.pack("<Q", 2))
+
+
+def _dtype_code_9(p):
+    patch_idx(p.with_suffix(".idx"), 17, bytes([9]))
+
+
+def _truncated_idx(p):
+    idx = p.with_suffix(".idx")
+    idx.write_bytes(idx.read_bytes()[:-8])
+
+
+def _truncated_header(p):
+    idx = p.with_suffix(".idx")
+    idx.write_bytes(idx.read_bytes()[:20])
+
+
+def _empty_idx(p):
+    p.with_suffix(".idx").write_bytes(b"")
+
+
+def _idx_with_extra_bytes(p):
+    idx = p.with_suffix(".idx")
+    idx.write_bytes(idx.read_bytes() + b"\x00" * 3)
+
+
+def _bin_shorter(p):
+    b = p.with_suffix(".bin")
+    b.write_bytes(b.read_bytes()[:-4])
+
+
+def _bin_longer(p):
+    b = p.with_suffix(".bin")
+    b.write_bytes(b.read_bytes() + b"\x00" * 4)
+
+
+def _first_pointer_not_0(p):
+    patch_idx(p.with_suffix(".idx"), pointer_offset(4, 0), struct.pack("<q", 4))
+
+
+def _doc_indices_not_from_0(p):
+    patch_idx(p.with_suffix(".idx"), doc_index_offset(4, 0), struct.pack("<q", 1))
+
+
+def _doc_indices_not_to_s(p):
+    patch_idx(p.with_suffix(".idx"), doc_index_offset(4, 4), struct.pack("<q", 3))
+
+
+def _header_counts_too_many_sequences(p):
+    patch_idx(p.with_suffix(".idx"), 18, struct.pack("<Q", 5))
+
+
+OPEN_FAULTS = [
+    (_bad_magic, r"not a Megatron MMap index"),
+    (_legacy_magic, r"legacy \(TNTIDX.*corpusforge convert"),
+    (_version_2, r"index version 2, only version 1"),
+    (_dtype_code_9, r"unknown dtype code 9"),
+    (_truncated_idx, r"truncated or corrupt"),
+    (_truncated_header, r"truncated header \(20 of 34 bytes\)"),
+    (_empty_idx, r"truncated header \(0 of 34 bytes\)"),
+    (_idx_with_extra_bytes, r"truncated or corrupt"),
+    (_header_counts_too_many_sequences, r"promises 5 sequences"),
+    (_bin_shorter, r"the index covers 72 bytes of tokens but good\.bin has 68"),
+    (_bin_longer, r"the index covers 72 bytes of tokens but good\.bin has 76"),
+    (_first_pointer_not_0, r"first sequence pointer is 4, not 0"),
+    (_doc_indices_not_from_0, r"document indices must run from 0 to the sequence count 4, found \[1\]\.\.\[4\]"),
+    (_doc_indices_not_to_s, r"document indices must run from 0 to the sequence count 4, found \[0\]\.\.\[3\]"),
+]
+
+
+@pytest.mark.parametrize("corrupt,message", OPEN_FAULTS, ids=[f.__name__.strip("_") for f, _ in OPEN_FAULTS])
+def test_open_refuses(good, corrupt, message):
+    corrupt(good)
+    with pytest.raises(IndexedFormatError, match=message) as e:
+        IndexedDataset(good)
+    assert str(good) in str(e.value)  # the message names the file
+
+
+def _pointer_inconsistent(p):
+    patch_idx(p.with_suffix(".idx"), pointer_offset(4, 2), struct.pack("<q", 16))  # lengths put it at 28
+
+
+def _negative_length(p):
+    patch_idx(p.with_suffix(".idx"), indexed.HEADER_SIZE + 4 * 1, struct.pack("<i", -4))
+
+
+def _decreasing_doc_indices(p):
+    patch_idx(p.with_suffix(".idx"), doc_index_offset(4, 1), struct.pack("<q", 3))
+    patch_idx(p.with_suffix(".idx"), doc_index_offset(4, 2), struct.pack("<q", 1))
+
+
+VALIDATE_FAULTS = [
+    (_pointer_inconsistent, r"sequence 2 points at byte 16, but the lengths before it put it at 28"),
+    (_negative_length, r"negative sequence length at 1"),
+    (_decreasing_doc_indices, r"document indices decrease at 1"),
+]
+
+
+@pytest.mark.parametrize("corrupt,message", VALIDATE_FAULTS, ids=[f.__name__.strip("_") for f, _ in VALIDATE_FAULTS])
+def test_validate_refuses(good, corrupt, message):
+    corrupt(good)
+    ds = IndexedDataset(good)  # O(1) open checks only the ends; these faults are in the middle
+    with pytest.raises(IndexedFormatError, match=message) as e:
+        ds.validate()
+    assert str(good) in str(e.value)
+
+
+@pytest.mark.parametrize("missing", [".bin", ".idx"])
+def test_missing_file_is_named(good, missing):
+    good.with_suffix(missing).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"good\{missing}: no such file"):
+        IndexedDataset(good)
+
+
+def test_read_header(good):
+    h = read_header(good.with_suffix(".idx"))
+    assert (h.dtype, h.sequence_count, h.document_count) == (np.dtype(np.int32), 4, 5)
+
+
+def test_megatron_accepts_what_validate_accepts(good, mcore):
+    """The fixture itself is sound for megatron too, so the faults above are the only difference."""
+    assert_same_as_megatron(IndexedDataset(good), mcore.IndexedDataset(str(good)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writer: atomicity and bad input
+
+
+def test_exception_inside_with_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with IndexedDatasetWriter(tmp_path / "x", np.uint16) as w:
+            w.add_document(np.arange(100))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exception_inside_with_keeps_the_old_dataset(tmp_path):
+    write_ours(tmp_path / "x", [[np.array([7, 8, 9])]], np.uint16)
+    before = (tmp_path / "x.bin").read_bytes(), (tmp_path / "x.idx").read_bytes()
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetWriter(tmp_path / "x", np.uint16) as w:
+            w.add_document(np.arange(100))
+            raise RuntimeError("boom")
+    assert ((tmp_path / "x.bin").read_bytes(), (tmp_path / "x.idx").read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "x.idx"]
+
+
+def test_failure_during_finalize_leaves_nothing(tmp_path, monkeypatch):
+    def failing_write_index(path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(indexed, "write_index", failing_write_index)
+    with pytest.raises(OSError, match="No space"):
+        with IndexedDatasetWriter(tmp_path / "x", np.uint16) as w:
+            w.add_document(np.arange(100))
+    assert list(tmp_path.iterdir()) == []
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from corpusforge.indexed import IndexedDatasetWriter
+
+    how, prefix = sys.argv[1], sys.argv[2]
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(50):
+        w.add_document(np.arange(1000) % 60000)
+    w._bin.flush()
+    print("wrote", flush=True)
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.parametrize("how,code", [("exit", 3), ("kill", -signal.SIGKILL)])
+def test_killed_writer_leaves_no_final_names(tmp_path, how, code):
+    write_ours(tmp_path / "old", [[np.array([1, 2, 3])]], np.uint16)
+    before = (tmp_path / "old.bin").read_bytes(), (tmp_path / "old.idx").read_bytes()
+    for prefix in (tmp_path / "new", tmp_path / "old"):
+        proc = subprocess.run([sys.executable, "-c", CHILD, how, str(prefix)], capture_output=True, text=True)
+        assert proc.returncode == code, proc.stderr
+        assert proc.stdout.strip() == "wrote"
+        assert os.path.getsize(f"{prefix}.bin.tmp") == 50 * 1000 * 2  # the tokens were really written
+    assert not (tmp_path / "new.bin").exists() and not (tmp_path / "new.idx").exists()
+    assert ((tmp_path / "old.bin").read_bytes(), (tmp_path / "old.idx").read_bytes()) == before
+    np.testing.assert_array_equal(IndexedDataset(tmp_path / "old")[0], [1, 2, 3])
+
+
+def test_writer_refuses_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="no Megatron code"):
+        IndexedDatasetWriter(tmp_path / "u32", np.uint32)
+    assert list(tmp_path.iterdir()) == []
+    w = IndexedDatasetWriter(tmp_path / "x", np.uint16)
+    with pytest.raises(ValueError, match="token id 70000 does not fit"):
+        w.add_document(np.array([1, 70000]))
+    with pytest.raises(ValueError, match="token id -1 does not fit"):
+        w.add_document(np.array([-1, 5]))
+    with pytest.raises(ValueError, match="sum to 3 but the document has 2 tokens"):
+        w.add_document(np.array([1, 2]), [1, 2])
+    with pytest.raises(ValueError, match="lengths sum to 4 but 3 tokens"):
+        w.add_documents(np.array([1, 2, 3]), [2, 2])
+    w.add_documents([1, 2, 3], [1, 2])  # plain lists are fine
+    w.finalize()
+    with pytest.raises(RuntimeError, match="already finalized"):
+        w.add_document(np.array([1]))
+    assert [IndexedDataset(tmp_path / "x")[i].tolist() for i in range(2)] == [[1], [2, 3]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# random access on a larger dataset
+
+
+def test_random_access_matches_reference(tmp_path):
+    rng = np.random.default_rng(7)
+    n_docs = 100_000
+    seqs_per_doc = rng.choice([1, 1, 1, 2, 3], n_docs)
+    lengths = rng.integers(0, 30, int(seqs_per_doc.sum()))
+    tokens = rng.integers(0, 60000, int(lengths.sum())).astype(np.uint16)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    doc_idx = np.concatenate([[0], np.cumsum(seqs_per_doc)])
+    with IndexedDatasetWriter(tmp_path / "big", np.uint16) as w:
+        for d in range(n_docs):
+            s0, s1 = doc_idx[d], doc_idx[d + 1]
+            w.add_document(tokens[starts[s0] : starts[s1]], lengths[s0:s1])
+
+    ds = IndexedDataset(tmp_path / "big")
+    ds.validate()
+    assert (len(ds), ds.num_documents, ds.num_tokens) == (len(lengths), n_docs, len(tokens))
+    np.testing.assert_array_equal(ds.tokens, tokens)
+    for i in rng.integers(0, len(lengths), 2000):
+        ref = tokens[starts[i] : starts[i + 1]]
+        np.testing.assert_array_equal(ds[int(i)], ref)
+        np.testing.assert_array_equal(ds[int(i) - len(ds)], ref)  # negative index
+        np.testing.assert_array_equal(ds.get(int(i), 2, 5), ref[2:7])
+        np.testing.assert_array_equal(ds.get(int(i), 4), ref[4:])
+    for d in rng.integers(0, n_docs, 2000):
+        np.testing.assert_array_equal(ds.document(int(d)), tokens[starts[doc_idx[d]] : starts[doc_idx[d + 1]]])
+    np.testing.assert_array_equal(ds.document(-1), ds.document(n_docs - 1))
+    # zero-copy: a sequence is a view into the memory-mapped .bin, not a copy
+    assert np.shares_memory(ds[5], ds.tokens)
+    with pytest.raises(IndexError, match="out of range"):
+        ds[len(ds)]
+    with pytest.raises(IndexError, match="document 100000 out of range"):
+        ds.document(n_docs)
