@@ -1,0 +1,278 @@
+"""Blending several GPT datasets by weight, with Megatron-Core `BlendedDataset` semantics.
+
+Sample i of a blend is sample `dataset_sample_index[i]` of dataset `dataset_index[i]`. Both are filled greedily:
+at step i (taken as at least 1) the dataset whose count lags its weight the most, max(w_d * i - count_d), gets
+the next sample, ties to the lowest d (helpers.cpp: build_blending_indices). Without weights but with a size, the
+weights are the datasets' lengths; without either, every sample of every dataset is used once, in the same
+greedy order over the datasets that still have samples (build_exhaustive_blending_indices).
+
+The loops are sequential by nature (each step depends on the counts so far), so they are numba-compiled.
+
+Each dataset is asked for ceil(ceil(n * w_d) * 1.005) samples of a blend of n (the 0.5% surplus of
+blended_megatron_dataset_builder.py: _get_size_per_split_per_dataset) and the blend holds sum_d ceil(n * w_d).
+
+Example:
+    >>> prefixes, weights = parse_blend(["out/a_text_document", 0.7, "out/b_text_document", 0.3])
+    >>> weights
+    [0.7, 0.3]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from corpusforge.data.cache import IndexCache, picklable, unpickled
+from corpusforge.data.gpt_dataset import GPTDataset, make_batch, to_torch
+
+try:
+    import numba
+except ImportError as e:  # pragma: no cover - numba is a dependency of corpusforge.data
+    raise ImportError("corpusforge.data needs numba for the blending indices: pip install numba") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the blend list
+
+
+def _as_weight(x: Any) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int | float):
+        return float(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_blend(blend: str | Sequence[Any]) -> tuple[list[str], list[float] | None]:
+    """Prefixes and weights of a blend; weights None when none are given.
+
+    Accepts a single prefix, a list of prefixes, `[prefix, weight, ...]`, or Megatron's `--data-path` order
+    `[weight, prefix, ...]` (megatron/core/datasets/utils.py: get_blend_from_list). Weights are returned as
+    given (not normalised); they must be positive.
+
+    Example:
+        >>> parse_blend(["0.3", "a", "0.7", "b"])
+        (['a', 'b'], [0.3, 0.7])
+    """
+    items = [blend] if isinstance(blend, str) else list(blend)
+    if not items:
+        raise ValueError("blend is empty: give at least one dataset prefix")
+    numeric = [_as_weight(x) is not None for x in items]
+    if not any(numeric):
+        return [str(x).strip() for x in items], None
+    pairs = len(items) // 2
+    if len(items) % 2 == 0 and all(numeric[1::2]) and not any(numeric[0::2]):
+        prefixes, raw = items[0::2], items[1::2]
+    elif len(items) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2]):
+        prefixes, raw = items[1::2], items[0::2]
+    else:
+        raise ValueError(
+            f"blend {items!r}: expected prefixes only, [prefix, weight, ...] or [weight, prefix, ...] "
+            f"({pairs} pairs); a prefix that looks like a number must be given as a path, e.g. './1'"
+        )
+    weights = [_as_weight(x) for x in raw]
+    check_weights(prefixes, weights)
+    return [str(p).strip() for p in prefixes], weights
+
+
+def check_weights(prefixes: Sequence[str], weights: Sequence[float]) -> None:
+    """Refuse weights that cannot be normalised: negative, zero, not finite, or not summing to a positive number."""
+    bad = [f"{p}: {w}" for p, w in zip(prefixes, weights) if not (math.isfinite(w) and w > 0)]
+    total = float(np.sum(np.array(weights, dtype=np.float64)))
+    if not total > 0 or not math.isfinite(total):
+        raise ValueError(f"blend weights {list(weights)} must sum to a positive number (they sum to {total})")
+    if bad:
+        raise ValueError(f"blend weights must be positive and finite; drop a dataset rather than weigh it 0: {bad}")
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their float64 sum, as megatron/core/datasets/utils.py: normalize does it."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def samples_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.0) -> list[int]:
+    """Samples each dataset contributes to a blend of `size`: ceil(ceil(size * w) * (1 + surplus)), w normalised.
+
+    Example:
+        >>> samples_per_dataset([0.7, 0.3], 1000, surplus=0.005)
+        [704, 302]
+    """
+    return [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in weights]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the blending indices
+
+
+@numba.njit(cache=True)
+def _fill_blending(dataset_index, dataset_sample_index, weights, size):  # pragma: no cover - compiled
+    counts = np.zeros(len(weights), dtype=np.int64)
+    for i in range(size):
+        step = max(float(i), 1.0)
+        best = 0
+        best_error = weights[0] * step - counts[0]
+        for d in range(1, len(weights)):
+            error = weights[d] * step - counts[d]
+            if error > best_error:
+                best_error = error
+                best = d
+        dataset_index[i] = best
+        dataset_sample_index[i] = counts[best]
+        counts[best] += 1
+
+
+@numba.njit(cache=True)
+def _fill_exhaustive(dataset_index, dataset_sample_index, sizes):  # pragma: no cover - compiled
+    total = sizes.sum()
+    weights = sizes / float(total)
+    counts = np.zeros(len(sizes), dtype=np.int64)
+    for i in range(total):
+        step = max(float(i), 1.0)
+        best = -1
+        best_error = -np.inf
+        for d in range(len(sizes)):
+            if counts[d] == sizes[d]:
+                continue
+            error = weights[d] * step - counts[d]
+            if error > best_error:
+                best_error = error
+                best = d
+        dataset_index[i] = best
+        dataset_sample_index[i] = counts[best]
+        counts[best] += 1
+
+
+def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16, dataset_sample_index int64) of a blend of `size` samples with normalised weights.
+
+    Example:
+        >>> build_blending_indices([0.5, 0.5], 4)[0]
+        array([0, 1, 0, 1], dtype=int16)
+    """
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    if size:
+        _fill_blending(dataset_index, dataset_sample_index, np.asarray(weights, dtype=np.float64), size)
+    return dataset_index, dataset_sample_index
+
+
+def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Blending indices that use every one of sizes[d] samples of each dataset exactly once.
+
+    Example:
+        >>> build_exhaustive_blending_indices([1, 2])[0]
+        array([1, 0, 1], dtype=int16)
+    """
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes_arr.sum())
+    dataset_index = np.zeros(total, dtype=np.int16)
+    dataset_sample_index = np.zeros(total, dtype=np.int64)
+    if total:
+        _fill_exhaustive(dataset_index, dataset_sample_index, sizes_arr)
+    return dataset_index, dataset_sample_index
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the dataset
+
+
+class BlendedDataset:
+    """Samples drawn from several GPTDatasets of one split in proportion to their weights.
+
+    `weights` as Megatron's BlendedDataset takes them: with a `size`, any positive weights (normalised here);
+    with size None, integer sample counts per dataset, each used exactly.
+
+    Example:
+        >>> blend = BlendedDataset([ds_a, ds_b], [0.7, 0.3], size=1000, cache=IndexCache("cache/"))
+        >>> blend.get_batch([0, 1])["dataset_id"]
+        array([0, 1], dtype=int32)
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[GPTDataset],
+        weights: Sequence[float],
+        size: int | None,
+        cache: IndexCache | None = None,
+    ) -> None:
+        if not datasets or len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        if len(datasets) >= 32767:  # the dataset index is int16
+            raise ValueError(f"a blend holds at most 32766 datasets, got {len(datasets)}")
+        self.datasets = list(datasets)
+        self.config = datasets[0].config
+        self.split = datasets[0].split
+        self.weights = normalize(weights) if size is not None else [int(w) for w in weights]
+        self.size = size
+        self.description = {
+            "class": "BlendedDataset",
+            "datasets": [d.description for d in self.datasets],
+            "split": self.split,
+            "weights": self.weights,
+            "size": size,
+        }
+        arrays, self.built = (cache or IndexCache(None)).get_or_build(
+            f"BlendedDataset-{self.split}", self.description, self._build
+        )
+        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
+
+    def _build(self) -> dict[str, np.ndarray]:
+        if self.size is not None:
+            dataset_index, sample_index = build_blending_indices(self.weights, self.size)
+        else:
+            dataset_index, sample_index = build_exhaustive_blending_indices(self.weights)
+        counts = np.bincount(dataset_index, minlength=len(self.datasets))
+        for d, (count, ds) in enumerate(zip(counts, self.datasets)):
+            if count > len(ds):  # BlendedDataset._build_indices raises the same
+                raise ValueError(
+                    f"the {self.split} blend takes {count} samples from dataset {d} ({ds.indexed.prefix}) which "
+                    f"has {len(ds)}; raise mid_level_dataset_surplus (now {self.config.mid_level_dataset_surplus})"
+                )
+        return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return {**self.description, "options": self.config.describe()}
+
+    def get_batch(self, ids) -> dict[str, np.ndarray]:
+        """Samples `ids` as numpy arrays, plus `dataset_id` (B,) int32: which dataset each came from."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
+        which = self.dataset_index[ids].astype(np.int32)
+        inner = self.dataset_sample_index[ids]
+        text = np.empty((len(ids), self.config.seq_length + self.config.extra), dtype=np.int32)
+        for d in np.unique(which):
+            rows = which == d
+            text[rows] = self.datasets[d].get_text(inner[rows])
+        return {**make_batch(text, self.config), "dataset_id": which}
+
+    def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        return to_torch(self.get_batch(ids))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: v[0] for k, v in self.__getitems__([i]).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # the GPTDatasets pickle themselves without their memmaps
+        for name in ("dataset_index", "dataset_sample_index"):
+            state[name] = picklable(state[name])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in ("dataset_index", "dataset_sample_index"):
+            state[name] = unpickled(state[name])
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"BlendedDataset({len(self.datasets)} datasets, {self.split}, samples={len(self)})"

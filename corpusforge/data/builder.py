@@ -1,0 +1,130 @@
+"""train, valid, test datasets from a blend of token datasets, as Megatron-Core's BlendedMegatronDatasetBuilder
+builds them from `--data-path`, `--split` and the sample counts of each split.
+
+- one prefix without a weight: a GPTDataset per split, of the requested size;
+- prefixes with weights: per dataset and split a GPTDataset of ceil(ceil(n * w) * 1.005) samples, blended into
+  sum_d ceil(n * w_d) samples (weights normalised; _get_size_per_split_per_dataset);
+- several prefixes without weights: one epoch of each, blended by their lengths into min(n, their sum) samples,
+  or every sample exactly once when n is None.
+
+Example:
+    >>> train, valid, test = build_gpt_datasets(["out/a_text_document", 0.7, "out/b_text_document", 0.3],
+    ...     seq_length=2048, split="969,30,1", seed=1234, num_samples=(8000, 80, 8), cache_dir="cache/")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from corpusforge.data.blended import BlendedDataset, normalize, parse_blend, samples_per_dataset
+from corpusforge.data.cache import IndexCache
+from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, split_ranges
+from corpusforge.indexed import IndexedDataset, bin_path, idx_path
+
+Dataset = GPTDataset | BlendedDataset
+
+
+def open_dataset(prefix: str) -> IndexedDataset:
+    """The token dataset at `prefix`, or an error naming the files that are missing."""
+    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"dataset prefix {prefix!r}: missing {' and '.join(missing)}; a prefix names the pair PREFIX.bin/.idx "
+            f"(e.g. out/corpus_text_document, without the extension) as written by `corpusforge preprocess`"
+        )
+    return IndexedDataset(prefix)
+
+
+def _splits_of(
+    indexed: IndexedDataset, sizes: Sequence[int | None], config: GPTDatasetConfig, cache: IndexCache
+) -> list[GPTDataset | None]:
+    """The GPTDataset of each split of one token dataset (None where the split string gives it no weight)."""
+    out: list[GPTDataset | None] = []
+    for name, bounds, size in zip(SPLIT_NAMES, split_ranges(config.split, len(indexed)), sizes):
+        if bounds is None:
+            out.append(None)
+            continue
+        out.append(GPTDataset(indexed, name, bounds, size, config, cache))
+    return out
+
+
+def build_gpt_datasets(
+    blend: str | Sequence[Any],
+    seq_length: int,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    num_samples: Sequence[int | None] = (None, None, None),
+    cache_dir: str | os.PathLike | None = None,
+    **options: Any,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """(train, valid, test): a GPTDataset or BlendedDataset per split, None for a split of weight 0.
+
+    `options` are the other GPTDatasetConfig fields (eod_token_id, reset_position_ids, eod_mask_loss, ...).
+    `num_samples` None for a split means one epoch of it (not allowed with weights, as in Megatron).
+
+    Example:
+        >>> train, valid, test = build_gpt_datasets("out/a_text_document", seq_length=1024,
+        ...     num_samples=(1000, 10, 10), cache_dir="cache/", eod_token_id=50256, eod_mask_loss=True)
+    """
+    known = {f.name for f in fields(GPTDatasetConfig)} - {"seq_length", "seed", "split"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; valid: {sorted(known)}")
+    config = GPTDatasetConfig(seq_length=seq_length, seed=seed, split=split, **options)
+    sizes = list(num_samples)
+    if len(sizes) != 3:
+        raise ValueError(f"num_samples must give train, valid, test counts, got {num_samples!r}")
+    if any(s is not None and s < 0 for s in sizes):
+        raise ValueError(f"num_samples must not be negative: {num_samples!r}")
+    prefixes, weights = parse_blend(blend)
+    indexed = [open_dataset(p) for p in prefixes]  # every missing file is reported before any work
+    cache = IndexCache(cache_dir)
+    if len(prefixes) == 1 and weights is None:
+        return tuple(_splits_of(indexed[0], sizes, config, cache))  # type: ignore[return-value]
+    if weights is not None:
+        return _weighted_blend(indexed, normalize(weights), sizes, config, cache)
+    return _length_blend(indexed, sizes, config, cache)
+
+
+def _weighted_blend(
+    indexed: list[IndexedDataset],
+    weights: list[float],
+    sizes: list[int | None],
+    config: GPTDatasetConfig,
+    cache: IndexCache,
+) -> tuple[Dataset | None, ...]:
+    ranges = split_ranges(config.split, 1 << 30)  # which splits exist does not depend on the size
+    missing = [n for n, s, r in zip(SPLIT_NAMES, sizes, ranges) if s is None and r is not None]
+    if missing:
+        raise ValueError(f"a weighted blend needs a sample count for every split; none given for {missing}")
+    sized = [s or 0 for s in sizes]
+    target = [samples_per_dataset(weights, n) for n in sized]  # [split][dataset]
+    buffer = [samples_per_dataset(weights, n, config.mid_level_dataset_surplus) for n in sized]
+    per_prefix = [_splits_of(ds, [b[d] for b in buffer], config, cache) for d, ds in enumerate(indexed)]
+    out: list[Dataset | None] = []
+    for s in range(3):
+        if ranges[s] is None:
+            out.append(None)
+            continue
+        parts = [per_prefix[d][s] for d in range(len(indexed))]
+        out.append(BlendedDataset(parts, weights, sum(target[s]), cache))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def _length_blend(
+    indexed: list[IndexedDataset], sizes: list[int | None], config: GPTDatasetConfig, cache: IndexCache
+) -> tuple[Dataset | None, ...]:
+    per_prefix = [_splits_of(ds, [None, None, None], config, cache) for ds in indexed]
+    out: list[Dataset | None] = []
+    for s in range(3):
+        parts = [per_prefix[d][s] for d in range(len(indexed))]
+        if parts[0] is None:
+            out.append(None)
+            continue
+        lengths = [len(p) for p in parts]  # type: ignore[arg-type]
+        size = None if sizes[s] is None else min(sizes[s], sum(lengths))
+        out.append(BlendedDataset(parts, lengths, size, cache))  # type: ignore[arg-type]
+    return tuple(out)

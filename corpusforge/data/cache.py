@@ -1,0 +1,244 @@
+"""On-disk cache of the sample indices: plain `.npy` files named by a hash of what determines them.
+
+Layout, for a description `d` of kind `k` (e.g. "GPTDataset-train") in `cache_dir`:
+
+    {h}-{k}-{name}.npy        one per index array (np.save, never pickled)
+    {h}-{k}-description.json  the full description; written last, so its presence marks a complete entry
+    {h}-{k}.lock              the build lock (empty; left in place, removing flock files is racy)
+
+where `h` is the first 32 hex digits of sha256(json(d, sorted keys)). Megatron-Core does the same with an md5 of
+its `unique_description` (megatron/core/datasets/megatron_dataset.py, MegatronDataset.__init__).
+
+Every file appears under its final name only when complete (temporary name in the same directory, fsync, rename),
+and one process builds an entry while the others wait on the lock and then load it: the first `fcntl.flock` holder
+builds; later holders find the description and load. Where the file system has no flock (some Lustre/NFS mounts),
+an `O_CREAT|O_EXCL` lock file with the holder's pid and host replaces it.
+
+Example:
+    >>> cache = IndexCache("cache/")
+    >>> arrays, built = cache.get_or_build("GPTDataset-train", {"seed": 1234}, lambda: {"a": np.arange(3)})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corpusforge.indexed import IndexedDataset, fsync_dir
+
+_DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+# Bump when the index algorithm or the file layout changes: old entries then get another name.
+CACHE_FORMAT = 1
+
+
+class CacheMismatchError(RuntimeError):
+    """A cache entry whose recorded description differs from the configuration asking for it."""
+
+
+def describe_dataset(ds: IndexedDataset) -> dict[str, Any]:
+    """What of a token dataset determines its sample indices: the sequence lengths (hashed) and the sizes.
+
+    The path is not part of it, so a copy of the data (local disk, another cluster) keeps its caches and its
+    loader states; the token values are not either, since the indices depend on the lengths only.
+
+    Example:
+        >>> describe_dataset(IndexedDataset("out/a_text_document"))["sequences"]
+        1000
+    """
+    known = _DESCRIPTIONS.get(ds)
+    if known is not None:  # hashing is O(sequences); every split of a dataset asks for it
+        return known
+    lengths = np.ascontiguousarray(ds.sequence_lengths)
+    _DESCRIPTIONS[ds] = description = {
+        "sequences": len(ds),
+        "documents": ds.num_documents,
+        "tokens": ds.num_tokens,
+        "dtype": str(ds.dtype),
+        "lengths_sha256": hashlib.sha256(memoryview(lengths).cast("B")).hexdigest(),
+    }
+    return description
+
+
+def description_hash(description: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of a description (sorted keys, no whitespace)."""
+    text = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any], where: str = "") -> list[str]:
+    """The fields that differ between two descriptions, as `path: ours != theirs` lines (recursing into dicts).
+
+    Example:
+        >>> describe_differences({"seed": 1, "a": {"b": 2}}, {"seed": 2, "a": {"b": 2}})
+        ['seed: 1 != 2']
+    """
+    out = []
+    for key in sorted(set(ours) | set(theirs), key=str):
+        a, b = ours.get(key, "<missing>"), theirs.get(key, "<missing>")
+        name = f"{where}.{key}" if where else str(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += describe_differences(a, b, name)
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if isinstance(x, Mapping) and isinstance(y, Mapping):
+                    out += describe_differences(x, y, f"{name}[{i}]")
+                elif x != y:
+                    out.append(f"{name}[{i}]: {x!r} != {y!r}")
+        elif a != b:
+            out.append(f"{name}: {a!r} != {b!r}")
+    return out
+
+
+class IndexCache:
+    """A directory of index caches; `None` builds in memory every time (nothing is written).
+
+    Example:
+        >>> arrays, built = IndexCache("cache/").get_or_build("x", {"n": 3}, lambda: {"a": np.arange(3)})
+    """
+
+    def __init__(self, directory: str | os.PathLike | None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+
+    def get_or_build(
+        self, kind: str, description: Mapping[str, Any], build: Callable[[], dict[str, np.ndarray]]
+    ) -> tuple[dict[str, np.ndarray], bool]:
+        """The arrays for `description`: loaded (memory-mapped) from the cache, else built, saved and returned.
+
+        Returns the arrays and whether this call built them.
+        """
+        if self.directory is None:
+            return build(), True
+        description = {"cache_format": CACHE_FORMAT, **description}
+        base = self.directory / f"{description_hash(description)[:32]}-{kind}"
+        loaded = _load(base, description)
+        if loaded is not None:
+            return loaded, False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with _build_lock(Path(f"{base}.lock")):
+            loaded = _load(base, description)  # another process built it while we waited
+            if loaded is not None:
+                return loaded, False
+            arrays = build()
+            for name, array in arrays.items():
+                _atomic_write(Path(f"{base}-{name}.npy"), lambda f, a=array: np.save(f, a, allow_pickle=False))
+            record = {"description": description, "arrays": sorted(arrays)}
+            text = json.dumps(record, indent=1, sort_keys=True).encode()
+            _atomic_write(Path(f"{base}-description.json"), lambda f: f.write(text))
+            fsync_dir(self.directory)
+        # The builder too reads the mapped files: its memory is freed, and workers it pickles the dataset to map
+        # the same files instead of receiving copies.
+        return _load(base, description) or arrays, True
+
+
+class MappedArray:
+    """A cached .npy array by path, for pickling: the receiving process maps it again instead of getting a copy."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+def picklable(array: np.ndarray) -> np.ndarray | MappedArray:
+    """`array` itself, or a MappedArray if it is a whole .npy file mapped by np.load(mmap_mode="r")."""
+    if isinstance(array, np.memmap) and array.filename and str(array.filename).endswith(".npy"):
+        return MappedArray(str(array.filename))
+    return array
+
+
+def unpickled(value: np.ndarray | MappedArray) -> np.ndarray:
+    if isinstance(value, MappedArray):
+        return np.load(value.path, mmap_mode="r", allow_pickle=False)
+    return value
+
+
+def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+    """The arrays of a complete entry, or None when there is none; a mismatching entry is an error."""
+    desc_path = Path(f"{base}-description.json")
+    if not desc_path.is_file():
+        return None
+    try:
+        record = json.loads(desc_path.read_text())
+        recorded, names = record["description"], record["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CacheMismatchError(f"{desc_path}: not a corpusforge index cache description ({e}); delete it") from e
+    ours = json.loads(json.dumps(description))  # tuples -> lists, as they were written
+    if recorded != ours:
+        diff = "; ".join(describe_differences(ours, recorded)) or "(key order only)"
+        raise CacheMismatchError(
+            f"{desc_path}: this cache entry was written for another configuration ({diff}); "
+            f"it is not used. Delete the files {base.name}-* or point cache_dir elsewhere."
+        )
+    arrays = {}
+    for name in names:
+        path = Path(f"{base}-{name}.npy")
+        if not path.is_file():
+            return None  # an array was deleted by hand: rebuild under the lock
+        arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+    return arrays
+
+
+def _atomic_write(path: Path, write: Callable[[Any], object]) -> None:
+    """Write `path` through a temporary name in the same directory, fsync, then rename over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, poll_s: float = 0.05, stale_s: float = 3600.0) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (flock; O_EXCL lock file where flock is not supported)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            with _exclusive_file_lock(Path(f"{path}.excl"), poll_s, stale_s):
+                yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _exclusive_file_lock(path: Path, poll_s: float, stale_s: float) -> Iterator[None]:
+    """A lock file created with O_CREAT|O_EXCL; one older than `stale_s` is taken as left by a dead holder."""
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.stat().st_mtime > stale_s:
+                    path.unlink()
+            time.sleep(poll_s)
+    try:
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        os.close(fd)
+        yield
+    finally:
+        path.unlink(missing_ok=True)

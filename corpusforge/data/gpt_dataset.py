@@ -1,0 +1,505 @@
+"""GPT pretraining samples over a token dataset, with Megatron-Core `GPTDataset` semantics.
+
+For the same files, seed, sequence length, split and sample count, sample i here holds the same tokens as sample i
+of `megatron.core.datasets.gpt_dataset.GPTDataset`. The algorithm, written from its description:
+
+1. split: the split string ("969,30,1") is normalised and turned into cumulative book-ends; split s exposes the
+   sequences [round(lo * S), round(hi * S)) (blended_megatron_dataset_config.py: parse_and_normalize_split,
+   convert_split_vector_to_split_matrix; blended_megatron_dataset_builder.py: _build_megatron_dataset_splits).
+2. epochs: as many passes E over the split's T tokens as it takes to cover num_samples * seq_length + 1 tokens
+   (gpt_dataset.py: GPTDataset._get_num_epochs).
+3. document index: the split's sequence ids repeated E times and shuffled with numpy.random.RandomState(seed);
+   if the last epoch would supply under 80% of an epoch's samples, the first E-1 epochs and the last one are
+   shuffled separately, so the short last epoch is not smeared over the whole run (_build_document_index).
+4. sample index: the documents, in document-index order, form one token stream; sample j starts at token
+   j * seq_length of it and reads seq_length + 1 tokens, so consecutive samples share one token (the label of
+   the last position). Each start is stored as (position in the document index, offset in that document)
+   (helpers.cpp: build_sample_idx). Here it is a cumsum and a searchsorted, not a loop.
+5. shuffle index: a permutation of the samples with the same RandomState, continued; with a separate final
+   epoch the samples of the first E-1 epochs and those of the last are permuted separately (_build_shuffle_index).
+
+Sample i is then the sample-index entry shuffle[i], read across as many documents as it spans. Tokens come out
+as int32 (widen to int64 on the GPU), a whole batch per call.
+
+Example:
+    >>> ds = GPTDataset(IndexedDataset("out/a_text_document"), "train", (0, 969), 1000,
+    ...                 GPTDatasetConfig(seq_length=2048, seed=1234))
+    >>> ds.get_batch([0, 1])["tokens"].shape
+    (2, 2048)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpickled
+from corpusforge.indexed import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+# Megatron-Core's _PAD_TOKEN_ID (megatron_dataset.py): a pad id no real token has.
+NO_PAD = -1
+
+# gpt_dataset.py, _build_document_sample_shuffle_indices: the last epoch is shuffled on its own when it
+# supplies fewer than this fraction of an epoch's samples.
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+@dataclass(frozen=True)
+class GPTDatasetConfig:
+    """How samples are cut from token datasets and what each sample carries (Megatron's GPTDatasetConfig)."""
+
+    seq_length: int
+    """Tokens per sample fed to the model; each sample reads seq_length + 1 tokens (megatron: sequence_length)."""
+
+    seed: int = 1234
+    """Seed of every shuffle: document order, sample order (megatron: random_seed)."""
+
+    split: str = "969,30,1"
+    """Relative sizes of train, valid, test, taken in order over each dataset's sequences (megatron: split)."""
+
+    eod_token_id: int | None = None
+    """The end-of-document token; needed by reset_position_ids, reset_attention_mask and eod_mask_loss."""
+
+    pad_token_id: int | None = None
+    """A pad token: labels equal to it get loss mask 0 and are set to 0, like Megatron's; None means none (-1)."""
+
+    reset_position_ids: bool = False
+    """Restart position ids after every end-of-document token."""
+
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens (only in the attention mask, so it needs create_attention_mask)."""
+
+    eod_mask_loss: bool = False
+    """Give end-of-document tokens loss mask 0."""
+
+    create_attention_mask: bool = False
+    """Return a (B, 1, S, S) boolean mask, True where attention is masked; off by default, since fused attention
+    kernels build the causal mask themselves (megatron: create_attention_mask, default True there)."""
+
+    add_extra_token_to_sequence: bool = True
+    """Read seq_length + 1 tokens per sample so that tokens and labels are both seq_length long."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last, partial sample of the validation split (else it is padded with the pad token)."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """Blends build each dataset this fraction larger than its share, so the blend never runs short."""
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ValueError(f"seq_length must be positive, got {self.seq_length}")
+        needs_eod = [n for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(self, n)]
+        if needs_eod and self.eod_token_id is None:
+            raise ValueError(f"{', '.join(needs_eod)} need eod_token_id (the end-of-document token id)")
+        if self.pad_token_id is not None and self.pad_token_id == self.eod_token_id:
+            # Megatron warns and drops the pad id (megatron_dataset.py); a silent change of the loss is worse.
+            raise ValueError(f"pad_token_id {self.pad_token_id} is also the eod token; give a distinct pad id or None")
+        parse_split(self.split)
+
+    @property
+    def extra(self) -> int:
+        return int(self.add_extra_token_to_sequence)
+
+    @property
+    def pad(self) -> int:
+        return NO_PAD if self.pad_token_id is None else self.pad_token_id
+
+    def index_description(self) -> dict[str, Any]:
+        """The fields that determine the indices (the masks options do not)."""
+        return {
+            "seq_length": self.seq_length,
+            "seed": self.seed,
+            "split": parse_split(self.split),
+            "add_extra_token_to_sequence": self.add_extra_token_to_sequence,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split
+
+
+def parse_split(split: str) -> list[float]:
+    """The split string as three weights summing to 1, exactly as Megatron computes them.
+
+    Mirrors blended_megatron_dataset_config.py: parse_and_normalize_split (numbers found by regex, padded with
+    zeros to three, divided by their float64 sum).
+
+    Example:
+        >>> parse_split("99,1")
+        [0.99, 0.01, 0.0]
+    """
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"split {split!r}: give one to three comma-separated weights for train,valid,test")
+    parts += [0.0] * (3 - len(parts))
+    total = float(np.sum(np.array(parts, dtype=np.float64)))
+    if total <= 0:
+        raise ValueError(f"split {split!r}: the weights must sum to a positive number")
+    return (np.array(parts, dtype=np.float64) / total).tolist()
+
+
+def split_ranges(split: str, num_sequences: int) -> list[tuple[int, int] | None]:
+    """The [begin, end) sequence range of train, valid, test; None for a split with zero weight.
+
+    Book-ends are cumulative sums in Python floats; an empty book-end is None; the range is
+    int(round(x * S)) (convert_split_vector_to_split_matrix; _build_megatron_dataset_splits).
+
+    Example:
+        >>> split_ranges("969,30,1", 1000)
+        [(0, 969), (969, 999), (999, 1000)]
+    """
+    weights = parse_split(split)
+    ends = [0.0]
+    for w in weights:
+        ends.append(ends[-1] + w)
+    out: list[tuple[int, int] | None] = []
+    for lo, hi in zip(ends[:-1], ends[1:]):
+        if hi <= lo:
+            out.append(None)
+        else:
+            out.append((int(round(lo * float(num_sequences))), int(round(hi * float(num_sequences)))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the three indices
+
+
+def count_epochs(tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra: int) -> int:
+    """Passes over the split needed for num_samples samples: the least E with E * T >= n * seq_length + extra.
+
+    Example:
+        >>> count_epochs(tokens_per_epoch=1000, num_samples=10, seq_length=128, extra=1)
+        2
+    """
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + extra
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def count_samples(tokens: int, seq_length: int, extra: int, drop_last_partial: bool) -> int:
+    """Samples in `tokens` tokens (helpers.cpp build_sample_idx: it divides in float32 when not dropping)."""
+    if drop_last_partial:
+        return (tokens - extra) // seq_length
+    return math.ceil(float(np.float32(tokens - extra) / np.float32(seq_length)))
+
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
+    """`documents` repeated num_epochs times and shuffled in place by `rng` (int32, Megatron's dtype).
+
+    With separate_final_epoch the first num_epochs-1 copies are shuffled together, then the last one alone
+    (gpt_dataset.py: _build_document_index).
+
+    Example:
+        >>> build_document_index(np.arange(3), 2, np.random.RandomState(0), False).shape
+        (6,)
+    """
+    if separate_final_epoch and num_epochs > 1:
+        head = build_document_index(documents, num_epochs - 1, rng, False)
+        tail = build_document_index(documents, 1, rng, False)
+        return np.concatenate((head, tail))
+    index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_sample_index(
+    sequence_lengths: np.ndarray,
+    document_index: np.ndarray,
+    seq_length: int,
+    num_samples: int,
+    extra: int,
+) -> np.ndarray:
+    """(num_samples + 1, 2) array: the (document-index position, offset) where each sample starts, and a last row
+    where the last sample ends; the same values as Megatron's helpers.cpp build_sample_idx, without its loop.
+
+    In the token stream of the documents in document-index order, sample j starts at token j * seq_length. With
+    the extra token, the start is in the document that holds that token; without it, in the document where the
+    previous sample ended (so the offset may equal the document's length). Row 0 is always (0, 0). A last sample
+    that runs past the end of the stream (not dropped: validation only) ends at (last, length - extra).
+
+    Example:
+        >>> build_sample_index(np.array([5, 5], np.int32), np.array([0, 1], np.int32), 4, 2, 1)
+        array([[0, 0],
+               [0, 4],
+               [1, 3]], dtype=int32)
+    """
+    doc_lengths = sequence_lengths[document_index].astype(np.int64)  # (D*E,) in stream order
+    ends = np.cumsum(doc_lengths)  # exclusive end of each document in the stream
+    total = int(ends[-1]) if len(ends) else 0
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    side = "right" if extra else "left"
+    position = np.searchsorted(ends, starts, side=side)
+    overrun = starts + extra > total  # only the last row of an undropped partial sample
+    position = np.minimum(position, len(doc_lengths) - 1)
+    offset = starts - (ends[position] - doc_lengths[position])
+    if overrun.any():
+        position[overrun] = len(doc_lengths) - 1
+        offset[overrun] = doc_lengths[-1] - extra
+    position[0] = offset[0] = 0
+    big = max(len(document_index), int(sequence_lengths.max()) if len(sequence_lengths) else 0)
+    dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64  # helpers.py: build_sample_idx
+    return np.stack((position, offset), axis=1).astype(dtype)
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of [0, num_samples) followed by one of [num_samples, total_size) (_build_shuffle_index).
+
+    Example:
+        >>> sorted(build_shuffle_index(3, 5, np.random.RandomState(0))[:3])
+        [0, 1, 2]
+    """
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    head = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(head)
+    if num_samples == total_size:
+        return head
+    tail = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(tail)
+    return np.concatenate((head, tail))
+
+
+def build_indices(
+    sequence_lengths: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int | None,
+    seq_length: int,
+    seed: int,
+    extra: int = 1,
+    drop_last_partial: bool = True,
+) -> dict[str, np.ndarray]:
+    """Document, sample and shuffle index of one split, as Megatron's
+    GPTDataset._build_document_sample_shuffle_indices builds them (one RandomState, in that order).
+
+    Example:
+        >>> idx = build_indices(np.full(100, 50, np.int32), np.arange(100), 40, 128, seed=1234)
+        >>> idx["shuffle_index"].shape, idx["sample_index"].shape     # 2 epochs of 5000 tokens: 78 samples
+        ((78,), (79, 2))
+    """
+    tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
+    num_epochs = count_epochs(tokens_per_epoch, num_samples, seq_length, extra)
+    separate_final_epoch = False
+    if num_epochs > 1:
+        assert num_samples is not None
+        before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+        per_epoch = (tokens_per_epoch - extra) // seq_length
+        separate_final_epoch = num_samples - before_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+    total = count_samples(num_epochs * tokens_per_epoch, seq_length, extra, drop_last_partial)
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total, extra)
+    head = before_final if separate_final_epoch else total
+    shuffle_index = build_shuffle_index(head, total, rng)
+    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# samples
+
+
+def make_batch(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarray]:
+    """tokens, labels, loss_mask, position_ids (and attention_mask if asked) from (B, S + extra) int32 text.
+
+    Mirrors GPTDataset.__getitem__ and _get_ltor_masks_and_position_ids (gpt_dataset.py), batched:
+    tokens/labels/position_ids (B, S) int32, loss_mask (B, S) float32, attention_mask (B, 1, S, S) bool with True
+    where attention is masked.
+
+    Example:
+        >>> make_batch(np.array([[5, 0, 7, 8]], np.int32), GPTDatasetConfig(3, eod_token_id=0,
+        ...            reset_position_ids=True))["position_ids"]
+        array([[0, 1, 0]], dtype=int32)
+    """
+    if config.add_extra_token_to_sequence:
+        tokens, labels = text[:, :-1].copy(), text[:, 1:].copy()
+    else:
+        tokens = text.copy()
+        labels = np.roll(text, -1, axis=1)
+        labels[:, -1] = config.pad
+    b, s = tokens.shape
+    loss_mask = np.ones((b, s), dtype=np.float32)
+    if config.eod_mask_loss:
+        loss_mask[tokens == config.eod_token_id] = 0.0
+    positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    segment_start = None
+    if config.reset_position_ids or config.reset_attention_mask:
+        # Start of each position's document: one past the last eod strictly before it (0 if none).
+        marks = np.zeros((b, s), dtype=np.int32)
+        marks[:, 1:] = np.where(tokens[:, :-1] == config.eod_token_id, np.arange(1, s, dtype=np.int32), 0)
+        segment_start = np.maximum.accumulate(marks, axis=1)
+    position_ids = positions - segment_start if config.reset_position_ids else positions.copy()
+    # Padding (megatron: GPTDataset.__getitem__): no loss on pad labels, pad ids mapped to 0 for the embedding.
+    loss_mask[labels == config.pad] = 0.0
+    tokens[tokens == config.pad] = 0
+    labels[labels == config.pad] = 0
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if config.create_attention_mask:
+        rows = np.arange(s)[:, None]
+        masked = np.broadcast_to(np.arange(s)[None, :] > rows, (b, s, s))
+        if config.reset_attention_mask:
+            masked = masked | (np.arange(s)[None, None, :] < segment_start[:, :, None])
+        batch["attention_mask"] = np.ascontiguousarray(masked)[:, None]
+    return batch
+
+
+def to_torch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The batch as torch tensors sharing the numpy buffers (no copy, dtypes kept: int32 stays int32)."""
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+
+
+class GPTDataset:
+    """One split of one token dataset, sequences [begin, end) of it, cut into samples of seq_length + 1 tokens.
+
+    `len(ds)` is the number of samples the indices hold (at least num_samples, like Megatron's). `get_batch(ids)`
+    returns numpy arrays for many samples in one call; `ds[i]` and `ds.__getitems__(ids)` (what torch's DataLoader
+    calls with a batch sampler) return torch tensors. `built` says whether this process built the indices (True)
+    or mapped them from the cache (False).
+
+    Example:
+        >>> ds = GPTDataset(IndexedDataset("out/a_text_document"), "train", (0, 969), 1000,
+        ...                 GPTDatasetConfig(seq_length=2048), cache=IndexCache("cache/"))
+        >>> ds.get_batch([0, 1, 2])["tokens"].dtype
+        dtype('int32')
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        split: str,
+        documents: tuple[int, int],
+        num_samples: int | None,
+        config: GPTDatasetConfig,
+        cache: IndexCache | None = None,
+    ) -> None:
+        self.indexed, self.split, self.config, self.num_samples = indexed, split, config, num_samples
+        self.documents = (int(documents[0]), int(documents[1]))
+        if not 0 <= self.documents[0] <= self.documents[1] <= len(indexed):
+            raise ValueError(f"{indexed.prefix}: sequence range {self.documents} is not within [0, {len(indexed)}]")
+        document_ids = np.arange(*self.documents, dtype=np.int32)
+        split_tokens = self._check_enough_tokens(document_ids)
+        drop_last = config.drop_last_partial_validation_sequence if split == "valid" else True
+        self.description = {
+            "class": "GPTDataset",
+            "dataset": describe_dataset(indexed),
+            "split": split,
+            "documents": list(self.documents),
+            "num_samples": num_samples,
+            "drop_last_partial_sequence": drop_last,
+            **config.index_description(),
+        }
+
+        def build() -> dict[str, np.ndarray]:
+            if split_tokens == 0:  # an empty split asked for no samples (Megatron would loop forever)
+                return {
+                    "document_index": np.zeros(0, np.int32),
+                    "sample_index": np.zeros((1, 2), np.int32),
+                    "shuffle_index": np.zeros(0, np.uint32),
+                }
+            lengths = np.asarray(indexed.sequence_lengths)
+            return build_indices(
+                lengths, document_ids, num_samples, config.seq_length, config.seed, config.extra, drop_last
+            )
+
+        arrays, self.built = (cache or IndexCache(None)).get_or_build(f"GPTDataset-{split}", self.description, build)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        if self.sample_index.ndim != 2 or len(self.shuffle_index) != len(self.sample_index) - 1:
+            raise ValueError(f"{indexed.prefix}: cached {split} indices are inconsistent; delete the cache entry")
+
+    def _check_enough_tokens(self, documents: np.ndarray) -> int:
+        """The split's token count; an error if it cannot fill one sample and samples are asked for."""
+        tokens = int(np.sum(self.indexed.sequence_lengths[documents], dtype=np.int64))
+        if self.num_samples == 0:
+            return tokens
+        needed = self.config.seq_length + self.config.extra
+        if tokens < needed:
+            lo, hi = self.documents
+            raise ValueError(
+                f"{self.indexed.prefix}: seq_length {self.config.seq_length} needs {needed} tokens per sample but "
+                f"the {self.split} split (sequences [{lo}, {hi}) of {len(self.indexed)}, split "
+                f"{self.config.split!r}) has {tokens}; use a shorter seq_length, more data, or another split"
+            )
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What determines this dataset's samples; the loader's state carries it."""
+        return {**self.description, "options": self.config.describe()}
+
+    def get_text(self, ids: np.ndarray) -> np.ndarray:
+        """(B, seq_length + extra) int32 tokens of samples `ids`, read whole-batch with one gather; a partial
+        last sample is padded with the pad id (GPTDataset._query_document_sample_shuffle_indices)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
+        width, extra = self.config.seq_length + self.config.extra, self.config.extra
+        rows = self.shuffle_index[ids].astype(np.int64)
+        first_doc, first_off = (self.sample_index[rows, c].astype(np.int64) for c in (0, 1))
+        last_doc, last_off = (self.sample_index[rows + 1, c].astype(np.int64) for c in (0, 1))
+        pieces = last_doc - first_doc + 1  # documents each sample spans
+        owner = np.repeat(np.arange(len(ids)), pieces)  # (P,) sample of each piece
+        piece_start = np.cumsum(pieces) - pieces
+        position = first_doc[owner] + np.arange(len(owner)) - piece_start[owner]
+        doc = self.document_index[position].astype(np.int64)
+        begin = np.where(position == first_doc[owner], first_off[owner], 0)
+        end = np.where(position == last_doc[owner], last_off[owner] + extra, self.indexed.sequence_lengths[doc])
+        length = end - begin
+        # Where each piece goes in the flat (B * width) output: after the earlier pieces of its sample.
+        flat_before = np.cumsum(length) - length
+        dest = owner * width + flat_before - flat_before[piece_start][owner]
+        src = self.indexed.sequence_pointers[doc] // self.indexed.dtype.itemsize + begin
+        n = int(length.sum())
+        step = np.arange(n, dtype=np.int64) - np.repeat(flat_before, length)
+        tokens = self.indexed.tokens
+        values = tokens[np.repeat(src, length) + step]
+        if n == len(ids) * width:  # every sample full: the pieces tile the output in order
+            return values.astype(np.int32).reshape(len(ids), width)
+        out = np.full((len(ids), width), self.config.pad, dtype=np.int32)
+        out.reshape(-1)[np.repeat(dest, length) + step] = values
+        return out
+
+    def get_batch(self, ids) -> dict[str, np.ndarray]:
+        """Samples `ids` as numpy arrays: tokens, labels, loss_mask, position_ids[, attention_mask]."""
+        return make_batch(self.get_text(np.asarray(ids)), self.config)
+
+    def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        return to_torch(self.get_batch(ids))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: v[0] for k, v in self.__getitems__([i]).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to DataLoader workers started with spawn/forkserver: pickling a memmap would copy the whole file,
+        # so the token dataset is reopened by its prefix and cached indices are re-mapped by their paths.
+        state = self.__dict__.copy()
+        state["indexed"] = self.indexed.prefix
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            state[name] = picklable(state[name])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["indexed"] = IndexedDataset(state["indexed"])
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            state[name] = unpickled(state[name])
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        prefix, seq = self.indexed.prefix, self.config.seq_length
+        return f"GPTDataset({prefix!r}, {self.split}, samples={len(self)}, seq_length={seq})"

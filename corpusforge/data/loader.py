@@ -1,0 +1,205 @@
+"""Sharded, resumable loading: Megatron's pretraining sampler over a torch DataLoader, with a small state.
+
+The global order is sample 0, 1, 2, ... of the dataset (the dataset's own shuffle index already randomises it).
+It is consumed in global batches of micro_batch_size * dp_world_size samples; rank r takes the r-th slice of each
+(megatron/training/datasets/data_samplers.py: MegatronPretrainingSampler). The only state is the number of
+samples consumed globally, so resuming costs nothing, and resuming with another world size continues the same
+global order: a run of 4 ranks stopped after k steps has consumed 4 * k * micro_batch_size samples, and 2 ranks go
+on from there.
+
+Each DataLoader fetch is one micro-batch: the batch sampler hands the dataset a list of ids, and the dataset's
+`__getitems__` reads them with one gather and returns int32 tensors (widen them on the GPU).
+
+Example:
+    >>> loader = make_loader(train, micro_batch_size=8, dp_rank=0, dp_world_size=4, num_workers=2)
+    >>> batch = next(iter(loader))          # {"tokens": (8, S) int32, "labels": ..., "loss_mask": ..., ...}
+    >>> state = loader.state_dict()         # {"consumed_samples": 32, "seed": 1234, "fingerprint": "...", ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from corpusforge.data.cache import describe_differences, description_hash
+
+STATE_VERSION = 1
+
+
+class LoaderStateError(ValueError):
+    """A loader state that belongs to other data or another configuration."""
+
+
+@dataclass(frozen=True)
+class PretrainingBatchSampler:
+    """Rank `dp_rank`'s micro-batches of the global order, from `consumed_samples` on.
+
+    Example:
+        >>> list(PretrainingBatchSampler(10, 0, micro_batch_size=2, dp_rank=1, dp_world_size=2))
+        [[2, 3], [6, 7]]
+    """
+
+    total_samples: int
+    """Samples in the dataset."""
+
+    consumed_samples: int
+    """Samples already consumed by all ranks together; iteration starts after them."""
+
+    micro_batch_size: int
+    """Samples per rank per step."""
+
+    dp_rank: int
+    """This rank's index among the data-parallel ranks."""
+
+    dp_world_size: int
+    """Number of data-parallel ranks."""
+
+    drop_last: bool = True
+    """Drop a last global batch that is not full (Megatron's default); else each rank gets its slice of it."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.dp_world_size < 1:
+            raise ValueError(f"micro_batch_size {self.micro_batch_size} and dp_world_size must be >= 1")
+        if not 0 <= self.dp_rank < self.dp_world_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is not in [0, {self.dp_world_size})")
+        if self.consumed_samples < 0:
+            raise ValueError(f"consumed_samples {self.consumed_samples} is negative")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.dp_world_size
+
+    def __len__(self) -> int:
+        left = max(0, self.total_samples - self.consumed_samples)
+        return left // self.global_batch_size if self.drop_last else -(-left // self.global_batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        mine = self.dp_rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples, self.global_batch_size):
+            end = min(start + self.global_batch_size, self.total_samples)
+            if end - start < self.global_batch_size and self.drop_last:
+                return
+            ids = list(range(start + mine, min(start + mine + self.micro_batch_size, end)))
+            if ids:
+                yield ids
+
+
+def _keep_batch(batch: Any) -> Any:
+    """collate_fn: the dataset's `__getitems__` already returns the batched tensors."""
+    return batch
+
+
+class Loader:
+    """A resumable per-rank loader over a GPTDataset or BlendedDataset.
+
+    Iterating yields dicts of tensors (tokens, labels, position_ids int32; loss_mask float32; ...). `state_dict()`
+    is a few hundred bytes of JSON-able values; `load_state_dict()` checks the data and configuration first.
+
+    Example:
+        >>> loader = Loader(train, micro_batch_size=4, dp_rank=0, dp_world_size=1)
+        >>> for step, batch in zip(range(10), loader): ...
+        >>> loader.state_dict()["consumed_samples"]
+        40
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        drop_last: bool = True,
+        consumed_samples: int = 0,
+        multiprocessing_context: str | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
+        self.num_workers, self.pin_memory, self.drop_last = num_workers, pin_memory, drop_last
+        self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
+        self.multiprocessing_context = multiprocessing_context
+        self.consumed_samples = consumed_samples
+        self._sampler(consumed_samples)  # check the arguments now, not at the first batch
+        self.fingerprint = dataset.fingerprint
+        self.fingerprint_hash = description_hash(self.fingerprint)
+
+    def _sampler(self, consumed: int) -> PretrainingBatchSampler:
+        return PretrainingBatchSampler(
+            len(self.dataset), consumed, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.drop_last
+        )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.dp_world_size
+
+    def __len__(self) -> int:
+        return len(self._sampler(self.consumed_samples))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from torch.utils.data import DataLoader
+
+        workers = {}
+        if self.num_workers > 0:
+            workers = {
+                "prefetch_factor": self.prefetch_factor,
+                "persistent_workers": self.persistent_workers,
+                "multiprocessing_context": self.multiprocessing_context,
+            }
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self._sampler(self.consumed_samples),
+            num_workers=self.num_workers,
+            collate_fn=_keep_batch,
+            pin_memory=self.pin_memory,
+            **workers,
+        )
+        for batch in loader:
+            # Counted when handed over, not when prefetched: a state saved now resumes at the next batch.
+            self.consumed_samples += self.global_batch_size
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming needs: samples consumed by all ranks, the seed, and the data's fingerprint."""
+        return {
+            "version": STATE_VERSION,
+            "consumed_samples": self.consumed_samples,
+            "seed": self.dataset.config.seed,
+            "fingerprint": self.fingerprint_hash,
+            "description": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after `state`; refuse a state from other data or another configuration, saying what differs."""
+        if state.get("version") != STATE_VERSION:
+            raise LoaderStateError(f"loader state version {state.get('version')!r}, this loader reads {STATE_VERSION}")
+        if state.get("fingerprint") != self.fingerprint_hash:
+            theirs = state.get("description") or {}
+            diff = describe_differences(self.fingerprint, theirs) or ["(fingerprints differ)"]
+            raise LoaderStateError(
+                "the loader state was saved for other data or another configuration; differences (now != saved): "
+                + "; ".join(diff[:10])
+                + (f"; and {len(diff) - 10} more" if len(diff) > 10 else "")
+            )
+        self._sampler(int(state["consumed_samples"]))
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def make_loader(
+    dataset: Any,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    num_workers: int = 0,
+    **options: Any,
+) -> Loader:
+    """A Loader for rank `dp_rank` of `dp_world_size`; options: pin_memory, prefetch_factor, persistent_workers,
+    drop_last, consumed_samples, multiprocessing_context ("spawn", "forkserver"; default: torch's).
+
+    Example:
+        >>> loader = make_loader(train, micro_batch_size=8, dp_rank=rank, dp_world_size=world, num_workers=2)
+    """
+    return Loader(dataset, micro_batch_size, dp_rank, dp_world_size, num_workers, **options)

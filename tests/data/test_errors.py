@@ -1,0 +1,53 @@
+"""Bad configurations get one clear error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from corpusforge.data import build_gpt_datasets, parse_blend
+
+
+def test_missing_prefix(corpora, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope_text_document.*missing .*nope_text_document\.idx"):
+        build_gpt_datasets([corpora[0], 0.5, str(tmp_path / "nope_text_document"), 0.5], 32, num_samples=(10, 1, 1))
+
+
+def test_prefix_given_with_extension(corpora):
+    with pytest.raises(FileNotFoundError, match="without the extension"):
+        build_gpt_datasets(corpora[0] + ".bin", 32, num_samples=(10, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "weights, message",
+    [((0, 0), "sum to a positive number"), ((1, -1), "sum to a positive number"), ((2, -1), "must be positive")],
+)
+def test_weights_that_cannot_be_normalised(corpora, weights, message):
+    with pytest.raises(ValueError, match=message):
+        build_gpt_datasets([corpora[0], weights[0], corpora[1], weights[1]], 32, num_samples=(10, 1, 1))
+
+
+def test_blend_orders():
+    assert parse_blend(["a", 0.7, "b", "0.3"]) == (["a", "b"], [0.7, 0.3])
+    assert parse_blend(["70", "a", "30", "b"]) == (["a", "b"], [70.0, 30.0])  # Megatron's --data-path order
+    assert parse_blend("a") == (["a"], None)
+    with pytest.raises(ValueError, match="expected prefixes only"):
+        parse_blend(["a", 0.7, "b"])
+
+
+def test_seq_length_longer_than_the_data(corpora):
+    with pytest.raises(ValueError, match=r"seq_length 100000 needs 100001 tokens .* the train split .* has \d+"):
+        build_gpt_datasets(corpora[1], 100_000, num_samples=(10, 1, 1))
+
+
+def test_weighted_blend_needs_sample_counts(corpora):
+    with pytest.raises(ValueError, match=r"needs a sample count for every split; none given for \['valid'"):
+        build_gpt_datasets([corpora[0], 1, corpora[1], 1], 32, num_samples=(10, None, 1))
+
+
+def test_unknown_option_and_bad_split(corpora):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['eod_mask'\]"):
+        build_gpt_datasets(corpora[0], 32, eod_mask=True)
+    with pytest.raises(ValueError, match="must sum to a positive number"):
+        build_gpt_datasets(corpora[0], 32, split="0,0,0")
+    with pytest.raises(ValueError, match="need eod_token_id"):
+        build_gpt_datasets(corpora[0], 32, eod_mask_loss=True)

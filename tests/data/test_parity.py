@@ -1,0 +1,251 @@
+"""Sample i here has the same tokens, labels, masks and position ids as sample i of megatron-core's own
+GPTDataset / BlendedDataset, built by its BlendedMegatronDatasetBuilder on the same files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from loader_data import EOD, VOCAB, write_dataset
+
+from corpusforge.data import BlendedDataset, GPTDataset, build_gpt_datasets
+from corpusforge.data.gpt_dataset import count_epochs, split_ranges
+
+mgpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+mbuilder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+
+
+@pytest.fixture(autouse=True)
+def _single_process_rank(monkeypatch):
+    """megatron-core's BlendedDataset asks torch.distributed for the rank even without a process group."""
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+
+
+class StandInTokenizer:
+    """The attributes megatron-core's GPTDataset reads from a tokenizer, and nothing else."""
+
+    def __init__(self, pad: int | None = None) -> None:
+        self.eod = EOD
+        self.vocab_size = VOCAB
+        if pad is not None:
+            self.pad = pad
+        self.unique_identifiers = {"class": "StandInTokenizer", "pad": pad}
+
+
+def megatron_datasets(blend, seq_length, split, seed, sizes, cache, pad=None, **options):
+    """Megatron's (train, valid, test) for a blend given as [prefix, weight, ...] or [prefix, ...]."""
+    names = [x for x in blend if isinstance(x, str)]
+    weights = [float(x) for x in blend if not isinstance(x, str)] or None
+    config = mgpt.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(names, weights),
+        split=split,
+        path_to_cache=str(cache),
+        tokenizer=StandInTokenizer(pad),
+        reset_position_ids=options.get("reset_position_ids", False),
+        reset_attention_mask=options.get("reset_attention_mask", False),
+        eod_mask_loss=options.get("eod_mask_loss", False),
+        create_attention_mask=options.get("create_attention_mask", False),
+        add_extra_token_to_sequence=options.get("add_extra_token_to_sequence", True),
+        drop_last_partial_validation_sequence=options.get("drop_last_partial_validation_sequence", True),
+    )
+    return mbuilder.BlendedMegatronDatasetBuilder(mgpt.GPTDataset, list(sizes), lambda: True, config).build()
+
+
+def assert_same_samples(ours, theirs, max_samples: int = 1500) -> int:
+    """Compare every sample (or a seeded subset of max_samples) field by field; returns how many were compared."""
+    assert (ours is None) == (theirs is None)
+    if ours is None:
+        return 0
+    assert len(ours) == len(theirs)
+    ids = np.arange(len(ours))
+    if len(ids) > max_samples:
+        ids = np.unique(np.r_[ids[:50], ids[-50:], np.random.default_rng(0).choice(ids, max_samples)])
+    batch = ours.get_batch(ids)
+    for row, i in enumerate(ids):
+        ref = theirs[int(i)]
+        for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "dataset_id"):
+            if key in ref:
+                expected = ref[key].numpy() if hasattr(ref[key], "numpy") else np.asarray(ref[key])
+                np.testing.assert_array_equal(batch[key][row], expected, err_msg=f"sample {i}, {key}")
+            else:
+                assert key not in batch
+    return len(ids)
+
+
+def run_case(tmp_path, blend, seq_length, split, seed, sizes, pad=None, **options):
+    theirs = megatron_datasets(blend, seq_length, split, seed, sizes, tmp_path / "megatron", pad, **options)
+    ours = build_gpt_datasets(
+        blend, seq_length, split, seed, sizes, tmp_path / "ours", pad_token_id=pad, eod_token_id=EOD, **options
+    )
+    compared = sum(assert_same_samples(o, t) for o, t in zip(ours, theirs))
+    assert compared > 0
+    return ours
+
+
+@pytest.mark.parametrize("seed", [1234, 7, 2**31 - 1])
+def test_single_dataset_same_samples(tmp_path, corpora, seed):
+    ours = run_case(tmp_path, [corpora[0]], 64, "80,15,5", seed, (900, 120, 40))
+    assert all(isinstance(d, GPTDataset) for d in ours)
+
+
+def test_separate_final_epoch_both_ways(tmp_path, corpora):
+    """Three epochs whose last supplies 5% (shuffled apart) or 95% (shuffled with the rest) of an epoch."""
+    prefix = corpora[1]
+    from corpusforge.indexed import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    lo, hi = split_ranges("1", len(ds))[0]
+    tokens = int(ds.sequence_lengths[lo:hi].sum())
+    seq = 32
+    per_epoch = (tokens - 1) // seq
+    for fraction in (0.05, 0.95):
+        n = int((2 + fraction) * per_epoch)
+        assert count_epochs(tokens, n, seq, 1) == 3
+        run_case(tmp_path / str(fraction), [prefix], seq, "1", 99, (n, 0, 0))
+
+
+def test_masks_and_options(tmp_path, corpora):
+    """reset_position_ids, reset_attention_mask, eod_mask_loss, the attention mask, and a pad id found in the data."""
+    run_case(
+        tmp_path,
+        [corpora[2]],
+        48,
+        "90,10",
+        5,
+        (300, 30, 0),
+        pad=7,
+        reset_position_ids=True,
+        reset_attention_mask=True,
+        eod_mask_loss=True,
+        create_attention_mask=True,
+    )
+
+
+def test_no_extra_token_and_partial_validation_sample(tmp_path, corpora):
+    run_case(
+        tmp_path,
+        [corpora[0]],
+        50,
+        "70,30",
+        11,
+        (200, None, None),
+        add_extra_token_to_sequence=False,
+        drop_last_partial_validation_sequence=False,
+    )
+    run_case(
+        tmp_path / "extra",
+        [corpora[0]],
+        50,
+        "70,30",
+        11,
+        (200, None, None),
+        drop_last_partial_validation_sequence=False,
+    )
+
+
+@pytest.mark.parametrize("seed", [1234, 3])
+def test_blend_of_three_same_samples(tmp_path, corpora, seed):
+    blend = [corpora[0], 0.5, corpora[1], 0.3, corpora[2], 0.2]
+    ours = run_case(tmp_path, blend, 64, "80,15,5", seed, (2000, 150, 40))
+    assert all(isinstance(d, BlendedDataset) for d in ours)
+    counts = np.bincount(ours[0].dataset_index, minlength=3) / len(ours[0])
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.2], atol=2e-3)
+
+
+def test_blend_without_weights(tmp_path, corpora):
+    """Weighted by the datasets' lengths: capped at a size for train, every sample once (exhaustive) for valid."""
+    run_case(tmp_path, list(corpora), 64, "85,15", 17, (500, None, None))
+
+
+def test_larger_dataset_default_split(tmp_path):
+    """The default split 969,30,1 on 3000 documents, and sample counts that need several epochs."""
+    prefix = write_dataset(tmp_path / "big_text_document", 3000, seed=4, max_len=100)
+    run_case(tmp_path, [prefix], 128, "969,30,1", 1234, (4000, 200, 10))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the index builders against megatron-core's compiled helpers, on many random inputs
+
+
+@pytest.mark.parametrize("extra", [1, 0])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_sample_index_equals_helpers_cpp(extra, drop_last):
+    from megatron.core.datasets import helpers_cpp
+
+    from corpusforge.data.gpt_dataset import build_sample_index, count_samples
+
+    rng = np.random.default_rng(extra * 2 + drop_last)
+    for case in range(60):
+        lengths = rng.integers(0 if case % 3 else 1, rng.integers(2, 400), size=rng.integers(1, 60)).astype(np.int32)
+        lengths[rng.integers(len(lengths))] = max(2, lengths.max())  # at least some tokens
+        epochs = int(rng.integers(1, 4))
+        doc_index = np.tile(np.arange(len(lengths), dtype=np.int32), epochs)
+        rng.shuffle(doc_index)
+        tokens = int(lengths.sum())
+        seq = int(rng.integers(2, max(3, tokens * epochs // 3)))
+        if tokens * epochs - extra < seq:
+            continue
+        # The raw C++ function: megatron's wrapper asserts on its own output when the last document is empty.
+        ref = helpers_cpp.build_sample_idx_int32(lengths, doc_index, seq, epochs, tokens, drop_last, extra)
+        n = count_samples(epochs * tokens, seq, extra, drop_last)
+        ours = build_sample_index(lengths, doc_index, seq, n, extra)
+        np.testing.assert_array_equal(ours, ref, err_msg=f"case {case}")
+        assert ours.dtype == ref.dtype
+
+
+def test_blending_indices_equal_helpers_cpp():
+    from megatron.core.datasets import helpers_cpp
+
+    from corpusforge.data.blended import build_blending_indices, build_exhaustive_blending_indices, normalize
+
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        k = int(rng.integers(1, 12))
+        weights = normalize(rng.random(k) + (0 if case % 4 else 1e-9))
+        if case % 5 == 0:
+            weights = normalize([1.0] * k)  # all ties
+        size = int(rng.integers(0, 5000))
+        ref_d, ref_s = np.zeros(size, np.int16), np.zeros(size, np.int64)
+        helpers_cpp.build_blending_indices(ref_d, ref_s, np.array(weights), k, size, False)
+        ours_d, ours_s = build_blending_indices(weights, size)
+        np.testing.assert_array_equal(ours_d, ref_d)
+        np.testing.assert_array_equal(ours_s, ref_s)
+
+        sizes = rng.integers(1, 300, size=k).astype(np.int64)
+        ref_d, ref_s = np.zeros(sizes.sum(), np.int16), np.zeros(sizes.sum(), np.int64)
+        helpers_cpp.build_exhaustive_blending_indices(ref_d, ref_s, sizes, k)
+        ours_d, ours_s = build_exhaustive_blending_indices(sizes.tolist())
+        np.testing.assert_array_equal(ours_d, ref_d)
+        np.testing.assert_array_equal(ours_s, ref_s)
+
+
+@pytest.mark.parametrize("reset_position_ids", [False, True])
+@pytest.mark.parametrize("reset_attention_mask", [False, True])
+def test_masks_equal_megatron(reset_position_ids, reset_attention_mask):
+    import torch
+
+    from corpusforge.data.gpt_dataset import GPTDatasetConfig, make_batch
+
+    rng = np.random.default_rng(1)
+    text = rng.integers(0, 6, size=(5, 41)).astype(np.int32)  # many EODs (0), some adjacent
+    text[0, 0] = text[1, -2] = EOD
+    config = GPTDatasetConfig(
+        40,
+        eod_token_id=EOD,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=True,
+        create_attention_mask=True,
+    )
+    ours = make_batch(text, config)
+    for row in range(len(text)):
+        tokens = torch.from_numpy(text[row, :-1]).long()
+        mask, loss, pos = mgpt._get_ltor_masks_and_position_ids(
+            tokens, EOD, reset_position_ids, reset_attention_mask, True, True
+        )
+        np.testing.assert_array_equal(ours["attention_mask"][row], mask.numpy())
+        np.testing.assert_array_equal(ours["loss_mask"][row], loss.numpy())
+        np.testing.assert_array_equal(ours["position_ids"][row], pos.numpy())
