@@ -94,6 +94,17 @@ def dtype_code(dtype: np.dtype | type) -> int:
 # writing
 
 
+def sync(prefix: str | os.PathLike) -> None:
+    """fsync a finished dataset's .bin, .idx and directory: what `finalize(durable=False)` left to the caller."""
+    for path in (bin_path(prefix), idx_path(prefix)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(bin_path(prefix).parent)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable (POSIX: the directory entry is data of the directory)."""
     fd = os.open(path, os.O_RDONLY)
@@ -109,6 +120,7 @@ def write_index(
     sequence_lengths: np.ndarray,
     document_indices: np.ndarray,
     sequence_modes: np.ndarray | None = None,
+    durable: bool = True,
 ) -> None:
     """Write an .idx file at `path` (not atomically: callers write to a temporary name)."""
     lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int32)
@@ -126,7 +138,8 @@ def write_index(
         if sequence_modes is not None:
             f.write(memoryview(np.ascontiguousarray(sequence_modes, dtype=np.int8)))
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
 
 
 def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
@@ -213,6 +226,12 @@ class IndexedDatasetWriter:
         self.num_tokens += src.num_tokens
         src.close()
 
+    def start_writeback(self) -> None:
+        """Ask the kernel to start writing what is buffered to disk, without waiting, so that `finalize()`'s
+        fsync finds little left to do. Linux only; elsewhere a no-op."""
+        self._bin.flush()
+        _start_writeback(self._bin.fileno())
+
     def _write_tokens(self, tokens: np.ndarray) -> None:
         if tokens.dtype != self.dtype:
             tokens = _cast_tokens(tokens, self.dtype)
@@ -225,17 +244,19 @@ class IndexedDatasetWriter:
 
     # -- finishing ---------------------------------------------------------------------------------------------
 
-    def finalize(self) -> Path:
-        """Make the dataset durable and visible under its final names; returns the prefix as a Path."""
+    def finalize(self, durable: bool = True) -> Path:
+        """Make the dataset visible under its final names, and durable (fsync) unless `durable=False`, for a
+        caller that syncs later itself (see `sync`); returns the prefix as a Path."""
         self._check_open()
         try:
             self._bin.flush()
-            os.fsync(self._bin.fileno())
+            if durable:
+                os.fsync(self._bin.fileno())
             self._bin.close()
             lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
             starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
             doc_idx = np.append(starts, np.int64(self.num_sequences))
-            write_index(self._idx_tmp, self.dtype, lengths, doc_idx)
+            write_index(self._idx_tmp, self.dtype, lengths, doc_idx, durable=durable)
             # .bin first: a crash between the renames leaves a new .bin beside an old .idx, which the
             # reader refuses (size mismatch), never a new .idx pointing into an old .bin.
             os.replace(self._bin_tmp, self._bin_final)
@@ -243,7 +264,8 @@ class IndexedDatasetWriter:
         except BaseException:
             self.discard()  # e.g. disk full while writing the .idx: leave no .tmp files behind
             raise
-        fsync_dir(self._bin_final.parent)
+        if durable:
+            fsync_dir(self._bin_final.parent)
         self.finalized = True
         return Path(self.prefix)
 
@@ -264,14 +286,38 @@ class IndexedDatasetWriter:
             self.discard()
 
 
+def _start_writeback(fd: int) -> None:
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
+            _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE over the whole file: start writeback, don't wait
+
+
+_sync_file_range = None
+
+
 def _cast_tokens(tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Cast token ids to the dataset's dtype, refusing ids that would wrap around."""
-    if tokens.size and np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < info.min or hi > info.max:
-            raise ValueError(f"token id {hi if hi > info.max else lo} does not fit the dataset dtype {dtype}")
-    return tokens.astype(dtype, copy=False)
+    """Cast token ids to the dataset's dtype, refusing ids that would wrap around.
+
+    Between integer types of one size (a tokenizer's uint32 into int32) a view does it without a copy,
+    since the bits of every id that fits are the same."""
+    if not tokens.size or not np.issubdtype(dtype, np.integer):
+        return tokens.astype(dtype, copy=False)
+    info = np.iinfo(dtype)
+    hi = int(tokens.max())
+    lo = int(tokens.min()) if np.issubdtype(tokens.dtype, np.signedinteger) else 0
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"token id {hi if hi > info.max else lo} does not fit the dataset dtype {dtype}")
+    if np.issubdtype(tokens.dtype, np.integer) and tokens.dtype.itemsize == dtype.itemsize:
+        return np.ascontiguousarray(tokens).view(dtype)
+    return tokens.astype(dtype)
 
 
 def _copy_file(src, dst, nbytes: int) -> None:
