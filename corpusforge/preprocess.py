@@ -28,7 +28,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -135,6 +135,9 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
     t0 = time.perf_counter()
     _check_output_dir(config.output_prefix)
     tokenizer = _tokenizer(config, threads=False)
+    # Import what the engine loads lazily on its first call (awkward, for gigatoken) here, once, rather than
+    # in every forked worker; serial, so no thread pool exists at the fork.
+    tokenizer.encode_batch(["warm up"])
     workers = config.workers or _available_cores()
     files = sources.expand_inputs(config.inputs)
     fingerprint = _fingerprint(config, files, tokenizer)
@@ -155,10 +158,15 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
         resumed_bytes = sum(t.size for t in tasks if done[t.index] is not None)
         on_progress = _with_plan(on_progress, Progress(0, 0, resumed_bytes, planned_bytes=sum(t.size for t in tasks)))
     results = dict((i, r) for i, r in done.items() if r is not None)
+    merger = _PartMerger(config, parts, tasks, dtype)
     try:
-        results.update(_run_tasks(job, todo, workers, on_progress))
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        for index in results:
+            merger.part_done(index)
+        results.update(_run_tasks(job, todo, workers, on_progress, merger))
+        merger.finish()
+    except BaseException as e:
+        merger.discard()
+        if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise PreprocessError(
             f"{parts}: {e.strerror.lower()} while writing tokens; finished parts are kept there: free space and "
@@ -167,7 +175,6 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
 
     stats = _combine(results, tasks, config, tokenizer, workers, dtype)
     stats.tasks_resumed = len(tasks) - len(todo)
-    _merge_parts(config, parts, tasks)
     stats.seconds = time.perf_counter() - t0
     _write_json_atomic(summary_path, {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()})
     shutil.rmtree(parts)
@@ -236,7 +243,8 @@ def _prepare_parts(config: PreprocessConfig, parts: Path, files, workers: int, f
         shutil.rmtree(parts)
     parts.mkdir()
     total = sum(_stat(f)[0] for f in files)
-    task_bytes = config.task_bytes or int(np.clip(total // (4 * workers), 4 << 20, 64 << 20))
+    # About eight tasks per worker: fewer leave a core idle while the last task runs; each costs two fsyncs.
+    task_bytes = config.task_bytes or int(np.clip(total // (8 * workers), 1 << 20, 64 << 20))
     tasks = sources.plan_tasks(files, task_bytes)
     _write_json_atomic(manifest_path, {"fingerprint": fingerprint, "tasks": [t.to_dict() for t in tasks]})
     return tasks
@@ -269,19 +277,25 @@ class _Job:
     dtype: str
 
 
-def _run_tasks(job: _Job, todo: list, workers: int, on_progress) -> dict[int, dict]:
+def _run_tasks(job: _Job, todo: list, workers: int, on_progress, merger: _PartMerger) -> dict[int, dict]:
     if not todo:
         return {}
+    results: dict[int, dict] = {}
     if workers == 1 or len(todo) == 1:
         # In this process: tokenize on as many threads as workers were asked for.
-        return {t.index: _run_task(job, t, on_progress, threads=workers > 1) for t in todo}
+        try:
+            for task in todo:
+                results[task.index] = _run_task(job, task, on_progress, threads=workers > 1)
+                merger.part_done(task.index)
+        finally:
+            _wait_for_syncs()  # before the parts directory can be removed under the fsync thread
+        return results
     # fork, not spawn: workers inherit the tokenizer loaded here instead of each loading it again, which on a
     # few hundred MB of input costs as much as the tokenizing. Safe because this process has started no
     # thread yet (the progress bar starts on the first event, sent below) and has never encoded in parallel
     # (gigatoken's thread pool would not survive a fork).
     ctx = mp.get_context("fork")
     progress_queue = ctx.Queue()
-    results: dict[int, dict] = {}
     with ProcessPoolExecutor(min(workers, len(todo)), ctx, _init_worker, (progress_queue,)) as pool:
         pending = {pool.submit(_run_task_in_worker, job, t): t for t in todo}
         while pending:
@@ -294,6 +308,7 @@ def _run_tasks(job: _Job, todo: list, workers: int, on_progress) -> dict[int, di
                         other.cancel()
                     raise fut.exception()
                 results[task.index] = fut.result()
+                merger.part_done(task.index)  # the parent appends parts while the workers tokenize
         _drain(progress_queue, on_progress)
     return results
 
@@ -386,14 +401,40 @@ def _run_task(job: _Job, task, on_progress, threads: bool) -> dict:
             if on_progress:
                 on_progress(Progress(docs, tokens, batch.file_bytes))
         for writer in writers:
-            writer.finalize()
+            writer.finalize(durable=False)
     except BaseException:
         for writer in writers:
             writer.discard()
         raise
     stats["bad"] = dict(stats["bad"])
-    _write_json_atomic(Path(f"{prefix}.done.json"), stats)
+    # The done marker promises a durable part, so it follows the fsyncs; those run on a thread while this
+    # process tokenizes its next task (an fsync here left the core idle for a sixth of the run).
+    _syncer().submit(_sync_and_mark, [w.prefix for w in writers], Path(f"{prefix}.done.json"), stats)
     return stats
+
+
+_sync_pool: ThreadPoolExecutor | None = None
+
+
+def _syncer() -> ThreadPoolExecutor:
+    global _sync_pool
+    if _sync_pool is None:
+        _sync_pool = ThreadPoolExecutor(1, thread_name_prefix="corpusforge-fsync")
+    return _sync_pool
+
+
+def _wait_for_syncs() -> None:
+    """Let every pending part fsync and done marker finish (in this process)."""
+    global _sync_pool
+    if _sync_pool is not None:
+        _sync_pool.shutdown(wait=True)
+        _sync_pool = None
+
+
+def _sync_and_mark(prefixes: list[str], marker: Path, stats: dict) -> None:
+    for prefix in prefixes:
+        indexed.sync(prefix)
+    _write_json_atomic(marker, stats)
 
 
 def append_eod(flat: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
@@ -432,12 +473,44 @@ def _combine(results: dict[int, dict], tasks, config, tokenizer, workers, dtype)
     return stats
 
 
-def _merge_parts(config: PreprocessConfig, parts: Path, tasks) -> None:
-    for key, final in zip(config.json_keys, config.output_prefixes()):
-        part_prefixes = [parts / f"part-{t.index:05d}_{key}_document" for t in tasks]
-        if len(part_prefixes) == 1:  # one part is already the whole dataset: rename, do not copy
-            for path_of in (indexed.bin_path, indexed.idx_path):
-                os.replace(path_of(part_prefixes[0]), path_of(final))
-            indexed.fsync_dir(Path(final).parent)
-        else:
-            indexed.merge(part_prefixes, final)
+class _PartMerger:
+    """Appends finished parts to the final datasets in task order, as soon as each is next in line, so that
+    concatenating overlaps tokenizing. Writes under temporary names; `finish()` renames, `discard()` removes."""
+
+    def __init__(self, config: PreprocessConfig, parts: Path, tasks: list, dtype) -> None:
+        self.keys, self.finals, self.parts = config.json_keys, config.output_prefixes(), parts
+        self.order = [t.index for t in tasks]
+        self.dtype = dtype
+        self.done: set[int] = set()
+        self.next = 0
+        self.writers: list[indexed.IndexedDatasetWriter] | None = None
+
+    def _part(self, index: int, key: str) -> Path:
+        return self.parts / f"part-{index:05d}_{key}_document"
+
+    def part_done(self, index: int) -> None:
+        self.done.add(index)
+        if len(self.order) == 1:
+            return  # one part is already the whole dataset: finish() renames it, no copy
+        while self.next < len(self.order) and self.order[self.next] in self.done:
+            if self.writers is None:  # opened late: never before the workers fork
+                self.writers = [indexed.IndexedDatasetWriter(f, self.dtype) for f in self.finals]
+            for key, writer in zip(self.keys, self.writers):
+                writer.add_dataset(self._part(self.order[self.next], key))
+                writer.start_writeback()
+            self.next += 1
+
+    def finish(self) -> None:
+        if len(self.order) == 1:
+            for key, final in zip(self.keys, self.finals):
+                for path_of in (indexed.bin_path, indexed.idx_path):
+                    os.replace(path_of(self._part(self.order[0], key)), path_of(final))
+            indexed.fsync_dir(Path(self.finals[0]).parent)
+            return
+        assert self.writers is not None and self.next == len(self.order), "finish() before every part was merged"
+        for writer in self.writers:
+            writer.finalize()
+
+    def discard(self) -> None:
+        for writer in self.writers or []:
+            writer.discard()
