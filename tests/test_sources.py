@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from corpusforge import sources
-from corpusforge.sources import BadRecordError, InputError, expand_inputs, plan_tasks, read_task
+from corpusforge.sources import BadRecordError, InputError, expand_inputs, plan_tasks, read_task, text_list
 
 DOCS = [f"document {i}: " + "héllo wörld 日本 " * (i % 7) + "\n\tend" for i in range(300)]
 
@@ -24,7 +24,7 @@ def read_all(paths, keys=("text",), on_bad="fail", task_bytes=64 << 20):
     texts, bad = [], {}
     for task in plan_tasks(expand_inputs(paths), task_bytes):
         for batch in read_task(task, keys, on_bad):
-            texts += batch.texts[0]
+            texts += text_list(batch.texts[0])
             for k, n in batch.bad.items():
                 bad[k] = bad.get(k, 0) + n
     return texts, bad
@@ -51,7 +51,7 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(tmp_path / "hf")
     tasks = plan_tasks(expand_inputs([tmp_path / "hf"]), task_bytes=2000)
     assert len(tasks) > 1
-    texts = [t for task in tasks for b in read_task(task, ("text",)) for t in b.texts[0]]
+    texts = [t for task in tasks for b in read_task(task, ("text",)) for t in text_list(b.texts[0])]
     assert texts == DOCS
 
 
@@ -122,7 +122,7 @@ def test_multiple_keys_stay_aligned_when_a_record_is_skipped(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (task,) = plan_tasks([path])
     (batch,) = list(read_task(task, ("text", "title"), "skip"))
-    assert batch.texts == [["t0", "t2"], ["h0", "h2"]] and batch.bad == {"missing_key": 1}
+    assert [text_list(c) for c in batch.texts] == [["t0", "t2"], ["h0", "h2"]] and batch.bad == {"missing_key": 1}
 
 
 def test_parquet_nulls_empties_and_wrong_types(tmp_path):

@@ -482,3 +482,17 @@ def test_sentencepiece_ids(sp_path):
     assert tok.vocab_size == processor.get_piece_size() == 1000
     assert tok.eod_id == processor.eos_id() == processor.piece_to_id("<|endoftext|>")
     assert tok.decode([tok.eod_id]) == processor.decode([tok.eod_id]) == ""  # control pieces decode to nothing
+
+
+def test_arrow_strings_encode_like_str_lists():
+    import pyarrow as pa
+
+    from corpusforge.tokenizers import load_tokenizer
+
+    texts = ["héllo wörld", "def f(x):\n\treturn x", "日本語 🤖 <|endoftext|>", " "]
+    for engine in ("gigatoken", "reference"):
+        tok = load_tokenizer(None, engine=engine)
+        want = tok.encode_batch(texts)
+        for array in (pa.array(texts), pa.array(texts, pa.large_string()), pa.array(["x", *texts]).slice(1)):
+            got = tok.encode_batch(array)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (engine, array.type)
