@@ -489,6 +489,10 @@ def print_report(report: dict, results: dict[str, Result], text_bytes: int) -> N
             f"{_fmt(r.mb_per_s(text_bytes), '9.2f')}{_fmt(tps and tps / 1e6, '9.3f')}"
             f"{_fmt(r.peak_rss_mb, '9.0f')}{_fmt(r.peak_pss_mb, '9.0f')}"
         )
+    for name in "ab":
+        if name in results and results[name].extra.get("runs_seconds"):
+            runs = ", ".join(f"{x:.2f}" for x in results[name].extra["runs_seconds"])
+            print(f"    {name}: median of {len(results[name].extra['runs_seconds'])} runs, seconds {runs}")
     if "c" in results and results["c"].extra.get("phases"):
         p = results["c"].extra["phases"]
         print(
@@ -535,6 +539,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-d", action="store_true", help="skip the classic Megatron pipeline (slowest)")
     ap.add_argument("--rss-sizes", default="", help="comma-separated input sizes in MB for (b)'s peak RSS")
     ap.add_argument("--merge-copies", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=5, help="runs of (a) and (b), alternating; the medians count")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the datasets under benchmarks/work/")
     ap.add_argument("--out", type=Path, help="default: benchmarks/results/preprocess-<YYYY-MM-DD>.json")
     return ap.parse_args(argv)
@@ -542,7 +547,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_all(args, corpus: Path, work: Path, cpus: list[int] | None) -> dict[str, Result]:
     results = {}
+    if args.repeat > 1:
+        results.update(run_a_b_repeated(args, corpus, work, cpus))
     for name in "abcd":
+        if name in results:
+            continue
         if name == "d" and args.skip_d:
             results[name] = Result(name, skipped="--skip-d")
             continue
@@ -555,6 +564,31 @@ def run_all(args, corpus: Path, work: Path, cpus: list[int] | None) -> dict[str,
         else:
             results[name] = run_variant(name, corpus, work, args.workers, cpus)
     return results
+
+
+def run_a_b_repeated(args, corpus: Path, work: Path, cpus: list[int] | None) -> dict[str, Result]:
+    """(a) and (b) alternately, `--repeat` times each, keeping each one's median run: on a shared machine one
+    run of a second or two is noise, and alternating spreads the noise over both."""
+    runs: dict[str, list[Result]] = {"a": [], "b": []}
+    for i in range(args.repeat):
+        for name in "ab":
+            sha256_file(str(corpus))
+            print(f"running {LABELS[name]} ({i + 1}/{args.repeat}) ...", flush=True)
+            r = (
+                run_cli_preprocess(corpus, work, args.workers, cpus)
+                if name == "b"
+                else run_variant(name, corpus, work, args.workers, cpus)
+            )
+            if r.skipped:
+                return {name: r}
+            runs[name].append(r)
+    out = {}
+    for name, rs in runs.items():
+        ordered = sorted(rs, key=lambda r: r.seconds)
+        median = ordered[len(ordered) // 2]
+        median.extra["runs_seconds"] = [r.seconds for r in rs]
+        out[name] = median
+    return out
 
 
 def rss_at_sizes(args, sizes: list[float], main_b: Result, text_bytes: int, cpus: list[int] | None) -> dict:
