@@ -103,12 +103,16 @@ def print_summary(title: str, rows: list[tuple[str, object]], as_json: dict | No
     if as_json is not None:
         click.echo(json.dumps(as_json, indent=1))
         return
-    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    console = Console(highlight=False)
+    if title:
+        console.print(f"[bold]{title}[/bold]")
+    table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
     for name, value in rows:
-        table.add_row(name, _cell(value))
-    Console(highlight=False).print(table)
+        if value is not None:  # an absent value (no problem found, say) is not worth a row
+            table.add_row(name, _cell(value))
+    console.print(table)
 
 
 def _cell(value: object) -> str:

@@ -49,7 +49,7 @@ def inspect_cmd(prefix, decode_n, tokenizer, as_json) -> None:
     if as_json:
         _report.print_summary("", [], {**data, "decoded": texts} if decode_n else data)
         return
-    _report.print_summary(f"corpusforge inspect {prefix}", [(k, v) for k, v in data.items() if k != "histogram"], None)
+    _report.print_summary("corpusforge inspect", [(k, v) for k, v in data.items() if k != "histogram"], None)
     if data.get("histogram"):
         click.echo("document length histogram (tokens: documents)")
         for bucket, count in data["histogram"].items():
