@@ -12,6 +12,7 @@ from corpusforge import __version__
 from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
 from corpusforge.cli.preprocess import preprocess_cmd
 from corpusforge.cli.tokenizer import train_tokenizer_cmd
+from corpusforge.cli.train import train_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -20,5 +21,5 @@ def main() -> None:
     """corpusforge: Megatron-format token datasets, fast, resumable, and honest about bad input."""
 
 
-for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd):
+for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd, train_cmd):
     main.add_command(command)

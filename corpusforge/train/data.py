@@ -1,0 +1,135 @@
+"""The trainer's data: corpusforge datasets and loaders sized from the config, checked before any compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corpusforge.train.config import ConfigError, TrainConfig
+
+
+class DataError(ValueError):
+    """Data that cannot feed this run: missing files, too few tokens, token ids beyond the vocabulary."""
+
+
+@dataclass
+class TrainData:
+    train: Any  # Loader of this rank
+    valid: Any | None  # Loader of this rank, or None when evaluation is off
+    train_samples: int  # samples the run consumes (all ranks)
+    train_tokens_per_epoch: int  # tokens of the train split(s), before the sample index repeats them
+
+    def __post_init__(self) -> None:
+        self.valid_start = self.valid.state_dict() if self.valid is not None else None  # rewound before each eval
+
+
+class SyntheticLoader:
+    """Uniform random tokens made once on the device, `pool` micro-batches cycled: a loader that costs nothing,
+    for measuring the data path's cost. Its state is the count of batches handed out, so resume works too."""
+
+    def __init__(self, cfg: TrainConfig, device: Any, pool: int = 8) -> None:
+        import torch
+
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        shape = (pool, cfg.micro_batch_size, cfg.seq_length + 1)
+        text = torch.randint(0, cfg.vocab_size, shape, generator=g, dtype=torch.int32).to(device)
+        self.tokens, self.labels = text[..., :-1].contiguous(), text[..., 1:].contiguous()
+        self.loss_mask = torch.ones(shape[1:2] + (cfg.seq_length,), dtype=torch.float32, device=device)
+        self.position_ids = torch.arange(cfg.seq_length, dtype=torch.int32, device=device).expand(shape[1], -1)
+        self.consumed = 0
+
+    def __iter__(self):
+        while True:
+            i = self.consumed % len(self.tokens)
+            self.consumed += 1
+            yield {"tokens": self.tokens[i], "labels": self.labels[i], "loss_mask": self.loss_mask,
+                   "position_ids": self.position_ids}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"synthetic_batches": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state.get("synthetic_batches", 0))
+
+
+def _split_tokens(dataset: Any) -> int:
+    """Tokens in the sequences a GPTDataset (or every part of a blend) draws from."""
+    parts = getattr(dataset, "datasets", None)
+    if parts is not None:
+        return sum(_split_tokens(p) for p in parts)
+    lo, hi = dataset.documents
+    return int(np.sum(dataset.indexed.sequence_lengths[lo:hi], dtype=np.int64))
+
+
+def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, device: Any = "cpu") -> TrainData:
+    """Train and validation loaders for `rank`. Rank 0 builds the index caches first, then the others map them
+    (pass `barrier` under torch.distributed)."""
+    from corpusforge.data import build_gpt_datasets, make_loader
+
+    if cfg.data_source == "synthetic":
+        valid = SyntheticLoader(cfg, device) if cfg.eval_interval else None
+        return TrainData(SyntheticLoader(cfg, device), valid, cfg.max_steps * cfg.global_batch_tokens // cfg.seq_length,
+                         cfg.max_steps * cfg.global_batch_tokens)  # fmt: skip
+    if not cfg.data_path:
+        raise ConfigError("data_path is empty: give a token dataset prefix such as out/tiny_text_document")
+    samples_per_step = cfg.global_batch_tokens // cfg.seq_length
+    train_samples = cfg.max_steps * samples_per_step
+    valid_samples = cfg.eval_batches * cfg.micro_batch_size * world_size if cfg.eval_interval else 0
+    cache_dir = cfg.data_cache_dir or str(Path(cfg.out_dir) / "index-cache")
+
+    def build():
+        try:
+            return build_gpt_datasets(
+                cfg.data_path,
+                seq_length=cfg.seq_length,
+                split=cfg.split,
+                seed=cfg.seed,
+                num_samples=(train_samples, valid_samples, 0),
+                cache_dir=cache_dir,
+            )
+        except FileNotFoundError as e:
+            raise DataError(str(e)) from None
+
+    if barrier is not None and rank != 0:
+        barrier()
+    train, valid, _ = build()
+    if barrier is not None and rank == 0:
+        barrier()
+    if train is None:
+        raise DataError(f"split {cfg.split!r} gives the train split no data")
+    tokens = _split_tokens(train)
+    if tokens < cfg.global_batch_tokens:
+        raise DataError(
+            f"{cfg.data_path}: the train split holds {tokens:,} tokens, fewer than one global batch of "
+            f"{cfg.global_batch_tokens:,}; every batch would repeat the same tokens. Use more data or a smaller "
+            f"global_batch_tokens"
+        )
+    if cfg.eval_interval and valid is None:
+        raise DataError(f"split {cfg.split!r} gives validation no data; change split or set eval_interval=0")
+    options = {"pin_memory": cfg.device != "cpu" and _cuda(), "persistent_workers": cfg.num_workers > 0}
+    if cfg.num_workers > 0:
+        options["prefetch_factor"] = 4
+    train_loader = make_loader(train, cfg.micro_batch_size, rank, world_size, cfg.num_workers, **options)
+    valid_loader = None
+    if cfg.eval_interval:
+        valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
+    return TrainData(train_loader, valid_loader, train_samples, tokens)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_vocab(tokens, labels, vocab_size: int, data_path: Any) -> None:
+    """A clear error for token ids the embedding does not have (on GPU they would be a device-side assert)."""
+    top = max(int(tokens.max()), int(labels.max()))
+    if top >= vocab_size:
+        raise DataError(
+            f"{data_path}: token id {top} is not below vocab_size {vocab_size}; set vocab_size to the tokenizer's "
+            f"vocabulary (cl100k_base: 100277, gpt2: 50257)"
+        )

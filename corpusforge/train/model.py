@@ -1,0 +1,153 @@
+"""A GPT-2-style decoder, small enough to read top to bottom (after nanoGPT's model.py).
+
+Pre-LayerNorm blocks, GELU MLP of width 4d, learned absolute positions, causal attention through
+F.scaled_dot_product_attention (FlashAttention kernels on GPU), the token embedding tied to the output head, and
+the vocabulary padded to a multiple of 128 so the head's matmul uses full tensor-core tiles (Karpathy: padding
+50257 to 50304 made nanoGPT ~25% faster). Padded rows never receive a target, so they only learn to be unlikely.
+
+Shapes: B batch, T sequence, C = n_embd, nh heads, hs = C / nh, V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def pad_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """The vocabulary rounded up to a multiple of `multiple`.
+
+    Example:
+        >>> pad_vocab(50257), pad_vocab(100277)
+        (50304, 100352)
+    """
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int  # the tokenizer's; the embedding holds padded_vocab rows
+    block_size: int  # longest sequence (learned positions)
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def padded_vocab(self) -> int:
+        return pad_vocab(self.vocab_size)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual = True  # scaled at init, see GPT._init_weights
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        # Weight tying (Press & Wolf 2017, as in GPT-2): one (V, C) matrix embeds tokens and scores them.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2: N(0, 0.02) everywhere; projections into the residual stream scaled by 1/sqrt(2 * n_layer), as
+        # each block adds two of them (Radford et al. 2019, section 2.3; nanoGPT model.py).
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of int64 tokens `idx` (B, T); positions default to 0..T-1."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameters (the tied matrix once); without the position embedding when embeddings=False, as in
+        nanoGPT's count, which is the N of the 6N FLOPs per token estimate."""
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.transformer.wpe.weight.numel()
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int, seq_length: int) -> int:
+    """Training FLOPs per token: 6N for the matmuls forward and backward plus 12·L·T·C for attention scores
+    (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT estimate_mfu)."""
+    return 6 * n_params + 12 * cfg.n_layer * seq_length * cfg.n_embd
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the positions where loss_mask is 1, computed in float32.
+
+    logits (B, T, V), labels (B, T) int64, loss_mask (B, T) float32.
+    """
+    per_token = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), reduction="none")  # (B*T,)
+    mask = loss_mask.view(-1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

@@ -1,0 +1,518 @@
+"""The training loop: one process per device under torchrun, or one process alone.
+
+    plan (config checks, data, model) → resume → [micro-batches → step → log → eval → checkpoint] → summary
+
+Everything that can be wrong with a config, the data or a checkpoint is checked in `prepare()`, before the first
+forward pass. `train(cfg)` returns the summary (also the last record of metrics.jsonl).
+
+Example:
+    >>> from corpusforge.train import load_config, train
+    >>> summary = train(load_config("configs/tiny-cpu.toml", ["max_steps=50"]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from corpusforge.train import checkpoint as ckpt
+from corpusforge.train.config import TrainConfig, grad_accum_steps
+from corpusforge.train.data import TrainData, build_data, check_vocab
+from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, percentiles_ms
+from corpusforge.train.model import GPT, GPTConfig, flops_per_token, loss_fn
+from corpusforge.train.optim import lr_at, make_optimizer
+
+Log = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes and devices
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def setup_runtime(cfg: TrainConfig) -> Runtime:
+    """Join the torchrun process group (NCCL on GPU, gloo on CPU) when RANK/WORLD_SIZE are set."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError('device = "cuda" but torch sees no GPU; use device = "cpu" or "auto"')
+    rt = Runtime()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rt.rank, rt.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rt.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        rt.distributed = rt.world_size > 1
+    if use_cuda:
+        rt.device = torch.device("cuda", rt.local_rank)
+        torch.cuda.set_device(rt.device)
+    if rt.distributed and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, device_id=rt.device if use_cuda else None)
+    return rt
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
+    return device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the plan: everything checked and built before compute
+
+
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    n_layer, n_head, n_embd = cfg.model_shape()
+    return GPTConfig(n_layer, n_head, n_embd, cfg.vocab_size, cfg.seq_length, cfg.dropout, cfg.bias)
+
+
+def model_shape(g: GPTConfig) -> dict[str, int]:
+    """What a checkpoint must match to be resumed into this model."""
+    return {
+        "n_layer": g.n_layer,
+        "n_head": g.n_head,
+        "n_embd": g.n_embd,
+        "padded_vocab": g.padded_vocab,
+        "block_size": g.block_size,
+        "bias": int(g.bias),
+    }
+
+
+def memory_estimate(g: GPTConfig, n_params: int, cfg: TrainConfig, world: int, dtype: torch.dtype) -> dict:
+    """Rough per-device bytes: fp32 weights + grads + AdamW moments (16 B/param, divided by ranks under FSDP);
+    activations ~34·T·B·C bytes per layer in 16-bit with flash attention (Korthikanti et al. 2022, table 2,
+    without the 5·a·T² score term), doubled in fp32; logits B·T·V in the autocast dtype plus fp32 copy and grad."""
+    b, t, c = cfg.micro_batch_size, cfg.seq_length, g.n_embd
+    half = dtype in (torch.bfloat16, torch.float16)
+    states = 16 * n_params // (world if cfg.parallel == "fsdp" else 1)
+    activations = (34 if half else 68) * t * b * c * g.n_layer
+    logits = b * t * g.padded_vocab * ((2 if half else 4) + 8)
+    return {
+        "states_gb": states / 1e9,
+        "activations_gb": activations / 1e9,
+        "logits_gb": logits / 1e9,
+        "total_gb": (states + activations + logits) / 1e9,
+    }
+
+
+@dataclass
+class Plan:
+    cfg: TrainConfig
+    rt: Runtime
+    gpt: GPTConfig
+    grad_accum: int
+    n_params: int
+    flops_per_token: int
+    memory: dict
+    data: TrainData | None = None
+    model: torch.nn.Module | None = None  # the module whose state is saved (unwrapped from DDP; FSDP in place)
+    step_model: torch.nn.Module | None = None  # what forward passes call (DDP wrapper or the model)
+    optimizer: torch.optim.Optimizer | None = None
+    resume_from: Path | None = None
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.cfg.max_steps
+        return {
+            "model": self.cfg.model,
+            "shape": model_shape(self.gpt),
+            "params": self.n_params,
+            "ranks": self.rt.world_size,
+            "device": str(self.rt.device),
+            "parallel": self.cfg.parallel,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "grad_accum": self.grad_accum,
+            "tokens_per_step": self.cfg.global_batch_tokens,
+            "max_steps": steps,
+            "train_tokens": steps * self.cfg.global_batch_tokens,
+            "train_split_tokens": self.data.train_tokens_per_epoch if self.data else None,
+            "epochs": round(steps * self.cfg.global_batch_tokens / self.data.train_tokens_per_epoch, 3)
+            if self.data
+            else None,
+            "flops_per_token": self.flops_per_token,
+            "memory_estimate": {k: round(v, 3) for k, v in self.memory.items()},
+            "resume_from": str(self.resume_from) if self.resume_from else None,
+        }
+
+
+def find_resume(cfg: TrainConfig, shape: dict[str, int]) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run), already checked against the model shape."""
+    if cfg.resume == "never":
+        return None
+    path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        return None
+    ckpt.check_compatible(path, ckpt.load_meta(path), shape)
+    return path
+
+
+def prepare(cfg: TrainConfig, rt: Runtime, dry_run: bool = False) -> Plan:
+    """Check the config against the world size, the checkpoint and the data, then build the model (on the meta
+    device for a dry run, so that a 1.5B plan takes seconds and no memory)."""
+    accum = grad_accum_steps(cfg, rt.world_size)
+    g = gpt_config(cfg)
+    resume_from = find_resume(cfg, model_shape(g))
+    data = build_data(cfg, rt.rank, rt.world_size, rt.barrier if rt.distributed else None, rt.device)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards them, DDP checks them)
+    with torch.device("meta" if dry_run else rt.device):
+        model = GPT(g)
+    n_params = model.num_params()
+    plan = Plan(
+        cfg,
+        rt,
+        g,
+        accum,
+        n_params,
+        flops_per_token(g, model.num_params(embeddings=False), cfg.seq_length),
+        memory_estimate(g, n_params, cfg, rt.world_size, autocast_dtype(cfg, rt.device)),
+        data=data,
+        resume_from=resume_from,
+    )
+    if dry_run:
+        return plan
+    plan.model, plan.step_model = wrap_model(model, cfg, rt)
+    plan.optimizer = make_optimizer(plan.model, cfg, rt.device)
+    return plan
+
+
+def wrap_model(model: GPT, cfg: TrainConfig, rt: Runtime) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(model to save, model to call): torch.compile in place (state-dict keys unchanged), then DDP or FSDP2."""
+    compiled = use_compile(cfg, rt.device)
+    if cfg.parallel == "fsdp" and rt.distributed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = autocast_dtype(cfg, rt.device)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.transformer.h:  # one all-gather per block, as torchtitan does
+            if compiled:
+                block.compile()
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model, model
+    if compiled:
+        model.compile()
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [rt.local_rank] if rt.device.type == "cuda" else None
+        return model, DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    return model, model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+class DataStream:
+    """The train loader as an endless stream of device batches, timing each wait. Data loading runs with the
+    torch RNG forked, so creating loader iterators (which draw a seed) never shifts the training RNG (dropout),
+    and a resumed run draws the same dropout masks as an uninterrupted one."""
+
+    def __init__(self, loader: Any, plan: Plan) -> None:
+        self.loader, self.plan, self.it = loader, plan, None
+        self.non_blocking = plan.rt.device.type == "cuda"
+
+    def next(self) -> tuple[dict[str, torch.Tensor], float]:
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            if self.it is None:
+                self.it = iter(self.loader)
+            batch = next(self.it)
+        wait = time.perf_counter() - t0
+        if batch["tokens"].device.type == "cpu":  # on the device, .max() would wait for the GPU every micro-batch
+            check_vocab(batch["tokens"], batch["labels"], self.plan.cfg.vocab_size, self.plan.cfg.data_path)
+        dev = {
+            k: batch[k].to(self.plan.rt.device, non_blocking=self.non_blocking)
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        for k in ("tokens", "labels", "position_ids"):
+            dev[k] = dev[k].long()  # int32 on the wire, int64 for the embedding: widened on the device
+        return dev, wait
+
+
+def grad_sync(plan: Plan, enabled: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    m = plan.step_model
+    if hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+        m.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(m, torch.nn.parallel.DistributedDataParallel) and not enabled:
+        return m.no_sync()
+    return contextlib.nullcontext()
+
+
+def autocast(plan: Plan):
+    dtype = autocast_dtype(plan.cfg, plan.rt.device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(plan.rt.device.type, dtype=dtype)
+
+
+def all_mean(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    if plan.rt.distributed:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x = x / plan.rt.world_size
+    return x
+
+
+def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum micro-batches: (mean loss, grad norm, seconds waited for data)."""
+    lr = lr_at(step, plan.cfg)
+    for group in plan.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=plan.rt.device)
+    waited = 0.0
+    for micro in range(plan.grad_accum):
+        batch, wait = stream.next()
+        waited += wait
+        with grad_sync(plan, micro == plan.grad_accum - 1), autocast(plan):
+            logits = plan.step_model(batch["tokens"], batch["position_ids"])  # (B, T, V)
+            loss = loss_of(logits, batch["labels"], batch["loss_mask"]) / plan.grad_accum
+        loss.backward()
+        loss_sum += loss.detach()
+    clip = plan.cfg.grad_clip if plan.cfg.grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(plan.model.parameters(), clip)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    plan.optimizer.step()
+    plan.optimizer.zero_grad(set_to_none=True)
+    return all_mean(loss_sum, plan), norm, waited
+
+
+@torch.no_grad()
+def evaluate(plan: Plan, loss_of) -> float:
+    """Mean loss over the same eval_batches validation micro-batches per rank every time."""
+    loader = plan.data.valid
+    loader.load_state_dict(plan.data.valid_start)  # the same batches every time
+    stream = DataStream(loader, plan)
+    plan.step_model.eval()
+    total = torch.zeros((), device=plan.rt.device)
+    for _ in range(plan.cfg.eval_batches):
+        batch, _ = stream.next()
+        with autocast(plan):
+            total += loss_of(
+                plan.step_model(batch["tokens"], batch["position_ids"]), batch["labels"], batch["loss_mask"]
+            )
+    plan.step_model.train()
+    return float(all_mean(total / plan.cfg.eval_batches, plan))
+
+
+def gather_waits(waits: list[float], plan: Plan) -> list[list[float]]:
+    """[[p50_ms, p99_ms] per rank] of the steps' data waits since the last log line."""
+    mine = torch.tensor(percentiles_ms(waits), dtype=torch.float64, device=plan.rt.device)
+    if not plan.rt.distributed:
+        return [mine.tolist()]
+    out = [torch.zeros_like(mine) for _ in range(plan.rt.world_size)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: MetricsWriter) -> float:
+    """Snapshot the state to CPU and hand it to the saver; returns the seconds training stood still."""
+    t0 = time.perf_counter()
+    model_sd, optim_sd = ckpt.full_state(plan.model, plan.optimizer)  # collective under FSDP
+    rngs = [ckpt.rng_state()]
+    if plan.rt.distributed:
+        rngs = [None] * plan.rt.world_size
+        dist.all_gather_object(rngs, ckpt.rng_state())
+    trainer = {
+        "step": step,
+        "scheduler": {"step": step, "lr": lr_at(step - 1, plan.cfg)},
+        "rng": rngs,
+        "loader": plan.data.train.state_dict(),
+    }
+    meta = {
+        "step": step,
+        "model_shape": model_shape(plan.gpt),
+        "world_size": plan.rt.world_size,
+        "time": time.time(),
+        "config": plan.cfg.to_dict(),
+    }
+    previous = saver.last
+    saver.save(step, {"model": model_sd, "optimizer": optim_sd, "trainer": trainer}, meta)
+    stall = time.perf_counter() - t0
+    if previous is not None and plan.rt.is_main:  # the write before this one has finished by now
+        writer.write(
+            "checkpoint", {"step": previous["step"], "path": previous["path"], "write_s": round(previous["write_s"], 4)}
+        )
+    writer.write("checkpoint_stall", {"step": step, "stall_s": round(stall, 4), "async": saver.asynchronous})
+    return stall
+
+
+def resume(plan: Plan, log: Log) -> int:
+    """Load the checkpoint into the model, optimizer, loader and RNGs; returns the step to continue after."""
+    state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer)
+    plan.data.train.load_state_dict(state["loader"])
+    rngs = state["rng"]
+    if len(rngs) != plan.rt.world_size:
+        log(
+            f"resume: checkpoint from {len(rngs)} rank(s), now {plan.rt.world_size}: data order continues exactly, "
+            f"per-rank random streams (dropout) restart from rank 0's"
+        )
+    ckpt.set_rng_state(rngs[plan.rt.rank] if plan.rt.rank < len(rngs) else rngs[0])
+    log(f"resumed from {plan.resume_from} at step {state['step']}")
+    return int(state["step"])
+
+
+def default_log(rt: Runtime) -> Log:
+    return (lambda line: print(line, flush=True)) if rt.is_main else (lambda line: None)
+
+
+def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None) -> dict[str, Any]:
+    """Run (or, with dry_run, only plan) the training described by `cfg`; returns the summary."""
+    rt = setup_runtime(cfg)
+    log = log if log is not None and rt.is_main else default_log(rt)
+    try:
+        plan = prepare(cfg, rt, dry_run)
+        if dry_run:
+            return {"dry_run": True, **plan.summary()}
+        summary = run(plan, log)
+        rt.barrier()  # no rank tears the group down while another is still in a collective
+        return summary
+    finally:
+        if rt.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(plan: Plan, log: Log) -> dict[str, Any]:
+    cfg, rt = plan.cfg, plan.rt
+    out = Path(cfg.out_dir)
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_partial(out)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    writer = MetricsWriter(out, rt.is_main, cfg.tensorboard)
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    start = resume(plan, log) if plan.resume_from else 0
+    if not plan.resume_from:
+        torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
+    if rt.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 matmuls left outside autocast
+        torch.backends.cudnn.allow_tf32 = True
+    loss_of = torch.compile(loss_fn) if use_compile(cfg, rt.device) else loss_fn
+    peak = cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None)
+    info = plan.summary()
+    writer.write("plan", info)
+    log(f"plan: {json.dumps(info)}")
+    if rt.device.type == "cuda" and peak is None:
+        log(f"mfu: {torch.cuda.get_device_name(rt.device)} is not in the peak-FLOPS table; set peak_flops to report it")
+    last = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
+    stream = DataStream(plan.data.train, plan)
+    stats = Stats()
+    interval_t0, interval_steps, waits = time.perf_counter(), 0, []
+    for step in range(start + 1, last + 1):  # `step` counts optimizer steps done once this one is taken
+        loss, norm, waited = train_step(plan, stream, step - 1, loss_of)
+        waits.append(waited)
+        interval_steps += 1
+        if step % cfg.log_interval == 0 or step == last:
+            loss_value, norm_value = float(loss), float(norm)  # syncs the device: the interval's time is real
+            elapsed = time.perf_counter() - interval_t0
+            tokens_per_s = interval_steps * cfg.global_batch_tokens / elapsed
+            mfu = plan.flops_per_token * tokens_per_s / (peak * rt.world_size) if peak else None
+            m = {
+                "step": step,
+                "max_steps": cfg.max_steps,
+                "loss": loss_value,
+                "lr": lr_at(step - 1, cfg),
+                "grad_norm": norm_value,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "step_s": elapsed / interval_steps,
+                "data_wait_ms": gather_waits(waits, plan),
+                "data_wait_s_total": sum(waits),
+            }
+            log(format_line(m))
+            writer.write("train", m)
+            stats.add_interval(m, interval_steps, elapsed)
+            interval_t0, interval_steps, waits = time.perf_counter(), 0, []
+        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == last):
+            t0 = time.perf_counter()
+            val = evaluate(plan, loss_of)
+            stats.valid.append((step, val))
+            log(f"step {step:>6}/{cfg.max_steps} | val_loss {val:.4f}")
+            writer.write("valid", {"step": step, "val_loss": val})
+            interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
+        if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or step == last:
+            stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
+    saver.wait()
+    if saver.last is not None and rt.is_main:
+        writer.write(
+            "checkpoint",
+            {"step": saver.last["step"], "path": saver.last["path"], "write_s": round(saver.last["write_s"], 4)},
+        )
+    summary = stats.summary(plan, start, last, saver)
+    writer.write("summary", summary)
+    writer.close()
+    for line in summary_lines(summary):
+        log(line)
+    return summary
+
+
+@dataclass
+class Stats:
+    intervals: list[dict] = field(default_factory=list)
+    valid: list[tuple[int, float]] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add_interval(self, m: dict, steps: int, elapsed: float) -> None:
+        self.intervals.append({**m, "steps": steps, "elapsed": elapsed})
+        self.seconds += elapsed
+        self.steps += steps
+
+    def summary(self, plan: Plan, start: int, last: int, saver: ckpt.Checkpointer) -> dict[str, Any]:
+        steady = self.intervals[1:] or self.intervals  # the first interval holds compilation and warmup
+        tokens = sum(i["steps"] for i in steady) * plan.cfg.global_batch_tokens
+        secs = sum(i["elapsed"] for i in steady)
+        mfus = [i["mfu"] for i in steady if i["mfu"] is not None]
+        waits = [w for i in steady for w in i["data_wait_ms"]]  # [p50, p99] per rank per interval
+        return {
+            "steps": last - start,
+            "first_step": start + 1,
+            "last_step": last,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(tokens / secs, 1) if secs else None,
+            "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
+            "final_loss": self.intervals[-1]["loss"] if self.intervals else None,
+            "final_val_loss": self.valid[-1][1] if self.valid else None,
+            "best_val_loss": min(v for _, v in self.valid) if self.valid else None,
+            "data_wait_ms_p50_max": round(max((w[0] for w in waits), default=0.0), 3),
+            "data_wait_ms_p99_max": round(max((w[1] for w in waits), default=0.0), 3),
+            "data_wait_fraction": round(sum(i["data_wait_s_total"] for i in steady) / secs, 4) if secs else None,
+            "checkpoint_stall_s_max": round(max(self.stalls, default=0.0), 4),
+            "checkpoint_write_s_last": round(saver.last["write_s"], 4) if saver.last else None,
+            "checkpoint": saver.last["path"] if saver.last else None,
+            "ranks": plan.rt.world_size,
+        }
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    return ["summary:"] + [f"  {k:<24} {v}" for k, v in s.items()]

@@ -1,0 +1,103 @@
+"""TrainConfig: TOML + overrides, one docstring per key, errors before anything is built."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps, key_docs, load_config, parse_override
+from corpusforge.train.optim import lr_at
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_every_key_has_a_docstring():
+    docs = key_docs()
+    missing = [f.name for f in fields(TrainConfig) if not docs.get(f.name)]
+    assert missing == []
+    assert "global batch" in docs["global_batch_tokens"].lower() or "optimizer step" in docs["global_batch_tokens"]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data_path
+    if cfg.model != "custom":
+        assert grad_accum_steps(cfg, 8) >= 1  # the presets divide on one node of 8 GPUs
+
+
+def test_overrides_are_toml_values_or_strings(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('data_path = "x"\nlr = 1e-3\n')
+    cfg = load_config(
+        f, ["lr=3e-4", "compile=false", "out_dir=runs/a", 'data_path=["a", 0.3, "b", 0.7]', "warmup-steps=5"]
+    )
+    assert (cfg.lr, cfg.compile, cfg.out_dir, cfg.warmup_steps) == (3e-4, False, "runs/a", 5)
+    assert cfg.data_path == ["a", 0.3, "b", 0.7]
+    assert parse_override("min_lr=0") == ("min_lr", 0)
+    assert load_config(None, ["min_lr=0"]).min_lr == 0.0 and isinstance(load_config(None, ["min_lr=0"]).min_lr, float)
+
+
+def test_unknown_key_in_file_names_the_file_and_suggests(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("learning_rate = 1e-3\nmax_step = 5\n")
+    with pytest.raises(ConfigError, match=r"c\.toml: unknown key 'learning_rate'"):
+        load_config(f)
+
+
+def test_unknown_key_in_override_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'max_step'; did you mean max_steps"):
+        load_config(None, ["max_step=5"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lr=fast", "lr = 'fast': expected"),
+        ("max_steps=0", "max_steps = 0: must be at least 1"),
+        ("parallel=tp", "choose one of"),
+        ("compile=maybe", "compile"),
+        ("min_lr=1", "min_lr 1.0 is above lr"),
+        ("n_head=5", "not a multiple of n_head"),
+    ],
+)
+def test_bad_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_sections_and_bad_toml_are_refused(tmp_path):
+    (tmp_path / "a.toml").write_text("[model]\nn_layer = 2\n")
+    with pytest.raises(ConfigError, match="sections are not used"):
+        load_config(tmp_path / "a.toml")
+    (tmp_path / "b.toml").write_text("lr = = 2\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "b.toml")
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_batch_that_does_not_divide_says_what_would():
+    cfg = load_config(None, ["micro_batch_size=8", "seq_length=1024", "global_batch_tokens=500000"])
+    with pytest.raises(ConfigError, match=r"not a multiple of .* = 16384; use e\.g\. global_batch_tokens=507904"):
+        grad_accum_steps(cfg, 2)
+    assert grad_accum_steps(load_config(None, []), 8) == 8  # 524288 / (8 * 1024 * 8)
+
+
+def test_lr_schedule_warmup_cosine_floor():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    lrs = [lr_at(s, cfg) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1) and lrs[119] == 0.1
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # never rises after warmup
+
+
+def test_docstrings_are_attribute_docstrings():
+    # Guard the form key_docs() reads: a string right after each annotated field.
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    names = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+    assert names == [f.name for f in fields(TrainConfig)]
