@@ -13,6 +13,7 @@ from corpusforge.data.builder import build_gpt_datasets
 from corpusforge.data.cache import CacheMismatchError, IndexCache
 from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from corpusforge.data.loader import Loader, LoaderStateError, PretrainingBatchSampler, make_loader
+from corpusforge.storage import StorageConfig
 
 __all__ = [
     "BlendedDataset",
@@ -23,6 +24,7 @@ __all__ = [
     "Loader",
     "LoaderStateError",
     "PretrainingBatchSampler",
+    "StorageConfig",
     "build_gpt_datasets",
     "make_loader",
     "parse_blend",

@@ -22,20 +22,16 @@ from typing import Any
 from corpusforge.data.blended import BlendedDataset, normalize, parse_blend, samples_per_dataset
 from corpusforge.data.cache import IndexCache
 from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, split_ranges
-from corpusforge.indexed import IndexedDataset, bin_path, idx_path
+from corpusforge.indexed import IndexedDataset
+from corpusforge.storage import LocalDataset, RemoteDataset, StorageConfig
+from corpusforge.storage import open_dataset as storage_open
 
 Dataset = GPTDataset | BlendedDataset
 
 
-def open_dataset(prefix: str) -> IndexedDataset:
-    """The token dataset at `prefix`, or an error naming the files that are missing."""
-    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"dataset prefix {prefix!r}: missing {' and '.join(missing)}; a prefix names the pair PREFIX.bin/.idx "
-            f"(e.g. out/corpus_text_document, without the extension) as written by `corpusforge preprocess`"
-        )
-    return IndexedDataset(prefix)
+def open_dataset(prefix: str, storage: StorageConfig | None = None) -> LocalDataset | RemoteDataset:
+    """The token dataset at `prefix` (a path or an fsspec URL), or an error naming the files that are missing."""
+    return storage_open(prefix, storage)
 
 
 def _splits_of(
@@ -58,12 +54,15 @@ def build_gpt_datasets(
     seed: int = 1234,
     num_samples: Sequence[int | None] = (None, None, None),
     cache_dir: str | os.PathLike | None = None,
+    storage: StorageConfig | None = None,
     **options: Any,
 ) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """(train, valid, test): a GPTDataset or BlendedDataset per split, None for a split of weight 0.
 
     `options` are the other GPTDatasetConfig fields (eod_token_id, reset_position_ids, eod_mask_loss, ...).
     `num_samples` None for a split means one epoch of it (not allowed with weights, as in Megatron).
+    Prefixes may be fsspec URLs (s3://bucket/a_text_document); `storage` says how to read them (read mode,
+    ranged block size, fsspec options, the local cache tier: StorageConfig(local_cache_dir=..., ...)).
 
     Example:
         >>> train, valid, test = build_gpt_datasets("out/a_text_document", seq_length=1024,
@@ -80,7 +79,7 @@ def build_gpt_datasets(
     if any(s is not None and s < 0 for s in sizes):
         raise ValueError(f"num_samples must not be negative: {num_samples!r}")
     prefixes, weights = parse_blend(blend)
-    indexed = [open_dataset(p) for p in prefixes]  # every missing file is reported before any work
+    indexed = [open_dataset(p, storage) for p in prefixes]  # every missing file is reported before any work
     cache = IndexCache(cache_dir)
     if len(prefixes) == 1 and weights is None:
         return tuple(_splits_of(indexed[0], sizes, config, cache))  # type: ignore[return-value]

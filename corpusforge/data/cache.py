@@ -31,6 +31,8 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +134,15 @@ class IndexCache:
             if loaded is not None:
                 return loaded, False
             arrays = build()
-            for name, array in arrays.items():
-                _atomic_write(Path(f"{base}-{name}.npy"), lambda f, a=array: np.save(f, a, allow_pickle=False))
+            # The arrays are written side by side: fsync waits for the disk and releases the GIL, so the three
+            # files share one journal commit instead of paying for three in a row.
+            with ThreadPoolExecutor(len(arrays) or 1) as pool:
+                writes = [
+                    pool.submit(_atomic_write, Path(f"{base}-{name}.npy"), partial(_save, array=array))
+                    for name, array in arrays.items()
+                ]
+                for w in writes:
+                    w.result()
             record = {"description": description, "arrays": sorted(arrays)}
             text = json.dumps(record, indent=1, sort_keys=True).encode()
             _atomic_write(Path(f"{base}-description.json"), lambda f: f.write(text))
@@ -187,6 +196,10 @@ def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] |
             return None  # an array was deleted by hand: rebuild under the lock
         arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
     return arrays
+
+
+def _save(f, array: np.ndarray) -> None:
+    np.save(f, array, allow_pickle=False)
 
 
 def _atomic_write(path: Path, write: Callable[[Any], object]) -> None:

@@ -35,6 +35,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numba
 import numpy as np
 
 from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpickled
@@ -223,7 +224,7 @@ def build_sample_index(
     extra: int,
 ) -> np.ndarray:
     """(num_samples + 1, 2) array: the (document-index position, offset) where each sample starts, and a last row
-    where the last sample ends; the same values as Megatron's helpers.cpp build_sample_idx, without its loop.
+    where the last sample ends; the same values as Megatron's helpers.cpp build_sample_idx, from one linear merge.
 
     In the token stream of the documents in document-index order, sample j starts at token j * seq_length. With
     the extra token, the start is in the document that holds that token; without it, in the document where the
@@ -236,22 +237,39 @@ def build_sample_index(
                [0, 4],
                [1, 3]], dtype=int32)
     """
-    doc_lengths = sequence_lengths[document_index].astype(np.int64)  # (D*E,) in stream order
-    ends = np.cumsum(doc_lengths)  # exclusive end of each document in the stream
-    total = int(ends[-1]) if len(ends) else 0
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    side = "right" if extra else "left"
-    position = np.searchsorted(ends, starts, side=side)
-    overrun = starts + extra > total  # only the last row of an undropped partial sample
-    position = np.minimum(position, len(doc_lengths) - 1)
-    offset = starts - (ends[position] - doc_lengths[position])
-    if overrun.any():
-        position[overrun] = len(doc_lengths) - 1
-        offset[overrun] = doc_lengths[-1] - extra
-    position[0] = offset[0] = 0
     big = max(len(document_index), int(sequence_lengths.max()) if len(sequence_lengths) else 0)
     dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64  # helpers.py: build_sample_idx
-    return np.stack((position, offset), axis=1).astype(dtype)
+    out = np.zeros((num_samples + 1, 2), dtype=dtype)
+    lengths, documents = np.ascontiguousarray(sequence_lengths), np.ascontiguousarray(document_index)
+    _sample_starts(lengths, documents, seq_length, num_samples, extra, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _sample_starts(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
+    """Fill out[j] = (position, offset) of sample start j * seq_length: one pass over the document stream with
+    starts that only grow, a merge of two sorted sequences, O(D + S) (a searchsorted over a cumsum took 3x longer).
+
+    position is the first document whose stream end is past the start (at or past it without the extra token),
+    clamped to the last document; a start whose sample would run past the stream's end (an undropped partial
+    sample: only possible in the last document, whose end is the stream's total) ends at (last, length - extra)."""
+    n = len(document_index)
+    if n == 0:
+        return
+    out[0, 0] = out[0, 1] = 0
+    p = 0
+    end = np.int64(sequence_lengths[document_index[0]])  # stream end of document p
+    for j in range(1, num_samples + 1):
+        start = np.int64(j) * seq_length
+        while p < n - 1 and (end <= start if extra else end < start):
+            p += 1
+            end += sequence_lengths[document_index[p]]
+        length = np.int64(sequence_lengths[document_index[p]])
+        out[j, 0] = p
+        if p == n - 1 and start + extra > end:
+            out[j, 1] = length - extra
+        else:
+            out[j, 1] = start - (end - length)
 
 
 def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
@@ -309,6 +327,49 @@ def build_indices(
 # samples
 
 
+@numba.njit(cache=True)
+def _sample_pieces(rows, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, width, extra):
+    """The document pieces of samples `rows` (sample-index rows): token start in the file, length, and offset in
+    the flat (B * width) output, in sample order then document order."""
+    count = 0
+    for b in range(len(rows)):
+        count += sample_index[rows[b] + 1, 0] - sample_index[rows[b], 0] + 1
+    src = np.empty(count, np.int64)
+    length = np.empty(count, np.int64)
+    dest = np.empty(count, np.int64)
+    k = 0
+    for b in range(len(rows)):
+        first, first_off = sample_index[rows[b], 0], sample_index[rows[b], 1]
+        last, last_off = sample_index[rows[b] + 1, 0], sample_index[rows[b] + 1, 1]
+        filled = 0
+        for position in range(first, last + 1):
+            doc = document_index[position]
+            begin = first_off if position == first else 0
+            end = last_off + extra if position == last else sequence_lengths[doc]
+            src[k] = sequence_pointers[doc] // itemsize + begin
+            length[k] = end - begin
+            dest[k] = b * width + filled
+            filled += end - begin
+            k += 1
+    return src, length, dest
+
+
+def read_spans(indexed: Any, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Tokens [starts[k], starts[k] + lengths[k]) of a token dataset, concatenated: through its own read_spans
+    (storage.LocalDataset, RemoteDataset), or slice copies from a plain IndexedDataset's memory map.
+
+    Example:
+        >>> read_spans(IndexedDataset("out/a_text_document"), np.array([0, 10]), np.array([2, 2])).shape
+        (4,)
+    """
+    reader = getattr(indexed, "read_spans", None)
+    if reader is not None:
+        return reader(starts, lengths)
+    from corpusforge.storage import _copy_spans
+
+    return _copy_spans(indexed.tokens, starts, lengths, np.empty(int(np.sum(lengths)), dtype=indexed.dtype))
+
+
 def make_batch(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarray]:
     """tokens, labels, loss_mask, position_ids (and attention_mask if asked) from (B, S + extra) int32 text.
 
@@ -331,18 +392,23 @@ def make_batch(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarr
     loss_mask = np.ones((b, s), dtype=np.float32)
     if config.eod_mask_loss:
         loss_mask[tokens == config.eod_token_id] = 0.0
-    positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    positions = np.tile(np.arange(s, dtype=np.int32), (b, 1))
     segment_start = None
     if config.reset_position_ids or config.reset_attention_mask:
         # Start of each position's document: one past the last eod strictly before it (0 if none).
         marks = np.zeros((b, s), dtype=np.int32)
         marks[:, 1:] = np.where(tokens[:, :-1] == config.eod_token_id, np.arange(1, s, dtype=np.int32), 0)
         segment_start = np.maximum.accumulate(marks, axis=1)
-    position_ids = positions - segment_start if config.reset_position_ids else positions.copy()
+    position_ids = positions - segment_start if config.reset_position_ids else positions
     # Padding (megatron: GPTDataset.__getitem__): no loss on pad labels, pad ids mapped to 0 for the embedding.
-    loss_mask[labels == config.pad] = 0.0
-    tokens[tokens == config.pad] = 0
-    labels[labels == config.pad] = 0
+    # Tested before written: most batches have no pad at all, and a masked write costs more than a test.
+    pad_labels = labels == config.pad
+    if pad_labels.any():
+        loss_mask[pad_labels] = 0.0
+        labels[pad_labels] = 0
+    pad_tokens = tokens == config.pad
+    if pad_tokens.any():
+        tokens[pad_tokens] = 0
     batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if config.create_attention_mask:
         rows = np.arange(s)[:, None]
@@ -354,10 +420,50 @@ def make_batch(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarr
 
 
 def to_torch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The batch as torch tensors sharing the numpy buffers (no copy, dtypes kept: int32 stays int32)."""
+    """The batch as torch tensors, dtypes kept (int32 stays int32: widen on the GPU), all views of one storage.
+
+    One storage because a DataLoader worker hands each storage to the main process through its own shared-memory
+    segment and file descriptor: one per batch instead of one per field doubled the 2-worker throughput here
+    (benchmarks/bench_loader.py), for one ~20 us copy of the batch.
+
+    Example:
+        >>> to_torch({"tokens": np.zeros((2, 4), np.int32)})["tokens"].dtype
+        torch.int32
+    """
     import torch
 
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+    if not _TORCH_DTYPES:
+        _torch_dtypes()
+    arrays = {k: np.ascontiguousarray(v) for k, v in batch.items()}
+    offsets, total = {}, 0
+    for k, a in arrays.items():
+        offsets[k] = total
+        total += -(-a.nbytes // 8) * 8  # 8-byte aligned, so that every dtype can view its slice
+    storage = torch.empty(total, dtype=torch.uint8)
+    flat = storage.numpy()
+    out = {}
+    for k, a in arrays.items():
+        lo, hi = offsets[k], offsets[k] + a.nbytes
+        flat[lo:hi] = a.reshape(-1).view(np.uint8)
+        out[k] = storage[lo:hi].view(_TORCH_DTYPES[a.dtype.str]).view(a.shape)
+    return out
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _torch_dtypes() -> None:
+    import torch
+
+    for np_dtype, torch_dtype in (
+        (np.int32, torch.int32),
+        (np.int64, torch.int64),
+        (np.float32, torch.float32),
+        (np.bool_, torch.bool),
+        (np.uint8, torch.uint8),
+        (np.int16, torch.int16),
+    ):
+        _TORCH_DTYPES[np.dtype(np_dtype).str] = torch_dtype
 
 
 class GPTDataset:
@@ -419,10 +525,27 @@ class GPTDataset:
         self.shuffle_index = arrays["shuffle_index"]
         if self.sample_index.ndim != 2 or len(self.shuffle_index) != len(self.sample_index) - 1:
             raise ValueError(f"{indexed.prefix}: cached {split} indices are inconsistent; delete the cache entry")
+        self._compile()
+
+    def _compile(self) -> None:
+        """Compile (or load from numba's cache) the sample gather for these array types now, so that forked
+        DataLoader workers inherit it instead of each paying for it on their first batch."""
+        indexed = self.indexed
+        _sample_pieces(
+            np.zeros(0, np.int64),
+            self.sample_index,
+            self.document_index,
+            indexed.sequence_lengths,
+            indexed.sequence_pointers,
+            indexed.dtype.itemsize,
+            1,
+            1,
+        )
 
     def _check_enough_tokens(self, documents: np.ndarray) -> int:
         """The split's token count; an error if it cannot fill one sample and samples are asked for."""
-        tokens = int(np.sum(self.indexed.sequence_lengths[documents], dtype=np.int64))
+        lo, hi = self.documents  # a contiguous range: a slice, not a gather
+        tokens = int(np.sum(self.indexed.sequence_lengths[lo:hi], dtype=np.int64))
         if self.num_samples == 0:
             return tokens
         needed = self.config.seq_length + self.config.extra
@@ -451,27 +574,28 @@ class GPTDataset:
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         width, extra = self.config.seq_length + self.config.extra, self.config.extra
         rows = self.shuffle_index[ids].astype(np.int64)
-        first_doc, first_off = (self.sample_index[rows, c].astype(np.int64) for c in (0, 1))
-        last_doc, last_off = (self.sample_index[rows + 1, c].astype(np.int64) for c in (0, 1))
-        pieces = last_doc - first_doc + 1  # documents each sample spans
-        owner = np.repeat(np.arange(len(ids)), pieces)  # (P,) sample of each piece
-        piece_start = np.cumsum(pieces) - pieces
-        position = first_doc[owner] + np.arange(len(owner)) - piece_start[owner]
-        doc = self.document_index[position].astype(np.int64)
-        begin = np.where(position == first_doc[owner], first_off[owner], 0)
-        end = np.where(position == last_doc[owner], last_off[owner] + extra, self.indexed.sequence_lengths[doc])
-        length = end - begin
-        # Where each piece goes in the flat (B * width) output: after the earlier pieces of its sample.
-        flat_before = np.cumsum(length) - length
-        dest = owner * width + flat_before - flat_before[piece_start][owner]
-        src = self.indexed.sequence_pointers[doc] // self.indexed.dtype.itemsize + begin
+        indexed = self.indexed
+        # (P,) pieces: where each document piece of each sample starts in the token file, its length, and where
+        # it goes in the flat (B * width) output; one compiled pass instead of a dozen (P,)-sized numpy ops.
+        src, length, dest = _sample_pieces(
+            rows,
+            self.sample_index,
+            self.document_index,
+            indexed.sequence_lengths,
+            indexed.sequence_pointers,
+            indexed.dtype.itemsize,
+            width,
+            extra,
+        )
         n = int(length.sum())
-        step = np.arange(n, dtype=np.int64) - np.repeat(flat_before, length)
-        tokens = self.indexed.tokens
-        values = tokens[np.repeat(src, length) + step]
+        # One read per piece (pread, or a slice copy from the map): no per-token index arrays, and on a cold
+        # file the disk reads about the sample bytes (see corpusforge/storage.py).
+        values = read_spans(indexed, src, length)
         if n == len(ids) * width:  # every sample full: the pieces tile the output in order
             return values.astype(np.int32).reshape(len(ids), width)
         out = np.full((len(ids), width), self.config.pad, dtype=np.int32)
+        flat_before = np.cumsum(length) - length
+        step = np.arange(n, dtype=np.int64) - np.repeat(flat_before, length)
         out.reshape(-1)[np.repeat(dest, length) + step] = values
         return out
 
@@ -487,15 +611,18 @@ class GPTDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to DataLoader workers started with spawn/forkserver: pickling a memmap would copy the whole file,
-        # so the token dataset is reopened by its prefix and cached indices are re-mapped by their paths.
+        # so the token dataset is reopened by its prefix (storage readers pickle as "reopen me") and cached
+        # indices are re-mapped by their paths.
         state = self.__dict__.copy()
-        state["indexed"] = self.indexed.prefix
+        if type(self.indexed) is IndexedDataset:
+            state["indexed"] = self.indexed.prefix
         for name in ("document_index", "sample_index", "shuffle_index"):
             state[name] = picklable(state[name])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state["indexed"] = IndexedDataset(state["indexed"])
+        if isinstance(state["indexed"], str):
+            state["indexed"] = IndexedDataset(state["indexed"])
         for name in ("document_index", "sample_index", "shuffle_index"):
             state[name] = unpickled(state[name])
         self.__dict__.update(state)
