@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from corpusforge import __version__
+from corpusforge.cli.bench_io import bench_io_cmd
 from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
 from corpusforge.cli.preprocess import preprocess_cmd
 from corpusforge.cli.tokenizer import train_tokenizer_cmd
@@ -21,5 +22,5 @@ def main() -> None:
     """corpusforge: Megatron-format token datasets, fast, resumable, and honest about bad input."""
 
 
-for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd, train_cmd):
+for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd, train_cmd, bench_io_cmd):
     main.add_command(command)

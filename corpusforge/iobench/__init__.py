@@ -1,0 +1,17 @@
+"""bench-io: what a storage path really delivers to LLM training (throughput, latency tails, stalls, hangs).
+
+Modules, one job each: config (options), patterns (the I/O run in worker processes), runner (checks, workers,
+watchdog, cleanup), search (training emulation), objstore (s3:// and other fsspec URLs), stats (rows),
+report (table, JSON, plot), ranks (torchrun / srun).
+
+Example:
+    >>> from corpusforge.iobench import BenchConfig, run_bench
+    >>> run = run_bench(BenchConfig(paths=("/mnt/lustre/me",), patterns=("seq-read", "rand-read")))
+    >>> [(r.pattern, round(r.mb_s)) for r in run.results]
+"""
+
+from corpusforge.iobench.config import PATTERNS, BenchConfig, BenchConfigError
+from corpusforge.iobench.runner import BenchError, Run, run_bench
+from corpusforge.iobench.stats import CaseResult
+
+__all__ = ["PATTERNS", "BenchConfig", "BenchConfigError", "BenchError", "CaseResult", "Run", "run_bench"]

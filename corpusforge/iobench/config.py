@@ -1,0 +1,178 @@
+"""What a bench-io run measures: one frozen dataclass, one docstring per option, and its size arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
+PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train")
+DEFAULT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint", "replay")
+# What an object store (s3:// and other fsspec URLs) can run: no O_DIRECT, no mmap, no loader.
+OBJECT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint")
+
+
+class BenchConfigError(ValueError):
+    """A configuration that cannot run; the message is the one line a person needs."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of one bench-io run (each path gets the same patterns)."""
+
+    paths: tuple[str, ...]
+    """Directories (a local or shared mount) or fsspec URLs (s3://bucket/prefix) to measure; several: side by side."""
+
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    """Patterns to run, in order; see PATTERNS."""
+
+    block_sizes: tuple[int, ...] = (MiB,)
+    """Request sizes of seq-read and seq-write, in bytes; several values sweep (4 KiB to 16 MiB is the useful range)."""
+
+    procs: tuple[int, ...] = (1,)
+    """Processes per rank running each pattern at once; several values sweep."""
+
+    file_size: int = 64 * MiB
+    """Bytes per process read or written by seq-read, seq-write and rand-read."""
+
+    layout: str = "file-per-process"
+    """"file-per-process", or "shared": every process works on its own region of one shared file."""
+
+    direct: str = "auto"
+    """O_DIRECT for seq-read/seq-write/rand-read: "auto" where the file system allows it, "on" (required), "off"."""
+
+    drop_cache: bool = True
+    """Evict benchmark files from the page cache (fsync + posix_fadvise DONTNEED) before reading them."""
+
+    sample_size: int = 8 * KiB
+    """Bytes per random read: a training sample ((seq_length + 1) tokens; 4097 uint16 tokens are ~8 KiB)."""
+
+    rand_ops: int = 20000
+    """Random reads per process (fewer if `duration` runs out first)."""
+
+    duration: float = 30.0
+    """Seconds after which a read pattern stops early and reports what it measured."""
+
+    metadata_files: int = 1000
+    """Small files per process created, stat-ed, opened and deleted by the metadata pattern."""
+
+    metadata_file_size: int = 4 * KiB
+    """Bytes written into each metadata file."""
+
+    checkpoint_size: int = 256 * MiB
+    """Bytes of tensors per process (one file per rank) written and read back by the checkpoint pattern."""
+
+    checkpoint_hidden: int = 1024
+    """Hidden size of the transformer whose layer shapes the checkpoint tensors take ((h, 3h), (h, h), (h, 4h), ...)."""
+
+    dataset: str | None = None
+    """Token dataset prefix (PREFIX.bin/.idx) for replay and train; None: a synthetic one is written on the path."""
+
+    synthetic_tokens: int = 16 * MiB
+    """Tokens of the synthetic dataset (uint16: 2 bytes each) when no `dataset` is given."""
+
+    seq_length: int = 2048
+    """Tokens per sample of the replayed loader."""
+
+    micro_batch: int = 8
+    """Samples per batch per process (per emulated accelerator)."""
+
+    loader_workers: int = 0
+    """DataLoader worker processes per loader (0: read in the loader's process)."""
+
+    steps: int = 50
+    """Batches per process for replay and per emulated accelerator for train."""
+
+    seed: int = 1234
+    """Seed of the dataset's shuffle and of the random offsets."""
+
+    compute_time: float = 0.1
+    """Train emulation: seconds of emulated compute per step (sleep), as DLIO / MLPerf Storage do."""
+
+    target_utilization: float = 0.9
+    """Train emulation: accelerator utilisation (compute / wall, first step excluded) that counts as fed."""
+
+    max_accelerators: int = 64
+    """Train emulation: the search for the largest fed count stops here."""
+
+    stall_seconds: float = 5.0
+    """A single operation slower than this is flagged as a stall."""
+
+    hang_seconds: float = 60.0
+    """An operation still running after this long is declared hung: its workers are killed and the run goes on."""
+
+    storage_options: tuple[tuple[str, str], ...] = ()
+    """fsspec options for URLs, e.g. (("endpoint_url", "http://127.0.0.1:7480"),)."""
+
+    check_space: bool = True
+    """Refuse to start when the path has less free space than the run needs."""
+
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Free-form labels copied into the JSON report (machine, note)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.paths:
+            problems.append("give at least one path")
+        unknown = [p for p in self.patterns if p not in PATTERNS]
+        if unknown:
+            problems.append(f"unknown pattern(s) {', '.join(unknown)}; choose from {', '.join(PATTERNS)}")
+        if self.layout not in ("file-per-process", "shared"):
+            problems.append(f"layout {self.layout!r}: choose file-per-process or shared")
+        if self.direct not in ("auto", "on", "off"):
+            problems.append(f"direct {self.direct!r}: choose auto, on or off")
+        if any(b < 1 for b in self.block_sizes) or any(p < 1 for p in self.procs):
+            problems.append("block sizes and process counts must be positive")
+        if self.file_size < max(self.block_sizes, default=1):
+            problems.append(f"file size {self.file_size} is smaller than the largest block size")
+        if self.file_size < self.sample_size:
+            problems.append(f"file size {self.file_size} is smaller than the sample size {self.sample_size}")
+        if self.hang_seconds <= self.stall_seconds:
+            problems.append(f"hang_seconds ({self.hang_seconds}) must exceed stall_seconds ({self.stall_seconds})")
+        if not 0 < self.target_utilization <= 1:
+            problems.append(f"target utilisation {self.target_utilization} must be in (0, 1]")
+        if self.steps < 2 and ("train" in self.patterns or "replay" in self.patterns):
+            problems.append("steps must be at least 2 (the first step is excluded from the figures)")
+        if problems:
+            raise BenchConfigError("; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def bytes_needed(self, world: int = 1) -> int:
+        """Peak bytes this run keeps on a local path: the read files stay for the run, the rest come and go."""
+        slots = max(self.procs) * world
+        reads = self.file_size * slots if {"seq-read", "rand-read"} & set(self.patterns) else 0
+        passing = {
+            "seq-write": self.file_size * slots,
+            "checkpoint": self.checkpoint_size * slots,
+            "metadata": self.metadata_files * max(self.metadata_file_size, 4 * KiB) * slots,
+        }
+        transient = max((n for p, n in passing.items() if p in self.patterns), default=0)
+        loader = {"replay", "train"} & set(self.patterns) and self.dataset is None
+        return reads + transient + (2 * self.synthetic_tokens + 16 * MiB if loader else 0)
+
+
+def is_url(path: str) -> bool:
+    """s3://, gs://, memory:// ...: anything fsspec reaches that is not a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864, '4k' -> 4096; plain numbers are bytes."""
+    units = {"k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise BenchConfigError(f"{text!r} is not a size (examples: 4k, 1M, 16M, 2G)") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,451 @@
+"""The I/O patterns, as they run inside one worker process: prepare (not timed), then measure (timed per op).
+
+Each pattern is a pair of functions over a Case and the worker's global slot (rank * procs + local index).
+`prepare` writes what the pattern reads; `measure` returns Phases: bytes, ops, the span, and one latency per op.
+Before every operation the worker stores its start time in `beat[slot]` (CLOCK_MONOTONIC, shared memory) and
+clears it after, so the watchdog in the parent process sees an operation that does not return.
+
+Files: `root/data/` holds the files the read patterns read (kept for the run, shared by its cases);
+`scratch` is a per-case directory that the runner removes after the case.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corpusforge.iobench.config import BenchConfig
+
+ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks
+FILL_CHUNK = 1 << 20  # bytes per write when preparing read files
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured unit: a pattern at one block size and process count, on one path."""
+
+    pattern: str
+    root: str  # the run directory on the measured path
+    scratch: str  # per-case directory, removed after the case
+    procs: int  # processes per rank
+    world: int  # ranks
+    block_size: int
+    direct: bool  # O_DIRECT in effect (the runner checked that the file system takes it)
+    config: BenchConfig
+    accelerators: int = 0  # train: emulated accelerators (== procs * world)
+
+    @property
+    def slots(self) -> int:
+        return self.procs * self.world
+
+
+@dataclass
+class Phase:
+    """What one process measured in one phase of a pattern."""
+
+    name: str
+    bytes: int = 0
+    ops: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    latencies: array = field(default_factory=lambda: array("d"))  # seconds, one per op
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Beat:
+    """The worker's side of the watchdog: which phase it is in and when its current op started (0: idle)."""
+
+    def __init__(self, times, phases, slot: int) -> None:
+        self.times, self.phases, self.local = times, phases, slot
+
+    def phase(self, code: int) -> None:
+        self.phases[self.local] = code
+
+
+PHASE_CODES = ["prepare", "read", "write", "fsync", "create", "stat", "open", "delete", "step", "cleanup"]
+
+
+def _code(name: str) -> int:
+    return PHASE_CODES.index(name)
+
+
+# -- files --------------------------------------------------------------------------------------------------------
+
+
+def aligned_buffer(size: int, fill_seed: int | None = None) -> mmap.mmap:
+    """A page-aligned buffer (anonymous mmap), as O_DIRECT needs; optionally filled with random bytes."""
+    buf = mmap.mmap(-1, max(size, 1))
+    if fill_seed is not None:
+        buf[:size] = np.random.default_rng(fill_seed).bytes(size)
+    return buf
+
+
+def drop_cache(path: str) -> None:
+    """Write back and evict `path` from the page cache, so that the next read comes from the storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_region(case: Case, slot: int) -> tuple[str, int, int]:
+    """(file, offset, length) that `slot` reads: its own file, or its slice of the shared file."""
+    c = case.config
+    data = Path(case.root, "data")
+    if c.layout == "shared":
+        return str(data / f"shared-{case.slots}.bin"), slot * c.file_size, c.file_size
+    return str(data / f"file-{slot}.bin"), 0, c.file_size
+
+
+def _fill(path: str, offset: int, length: int, seed: int, beat: Beat) -> None:
+    """Write `length` random bytes at `offset` of `path` (created if missing), durably."""
+    chunk = np.random.default_rng(seed).bytes(min(FILL_CHUNK, length))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        done = 0
+        while done < length:
+            n = min(len(chunk), length - done)
+            beat.times[beat.local] = time.perf_counter()
+            os.pwrite(fd, chunk[:n], offset + done)
+            done += n
+        os.fsync(fd)
+    finally:
+        beat.times[beat.local] = 0.0
+        os.close(fd)
+
+
+def prepare_read_file(case: Case, slot: int, beat: Beat) -> None:
+    path, offset, length = read_region(case, slot)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    marker = Path(f"{path}.{slot}.done")  # a region is reused by later cases only once it was written whole
+    if not marker.exists():
+        _fill(path, offset, length, case.config.seed + slot, beat)
+        marker.touch()
+    if case.config.drop_cache:
+        drop_cache(path)
+
+
+# -- seq-read, rand-read, seq-write --------------------------------------------------------------------------------
+
+
+def _open_flags(case: Case, flags: int) -> int:
+    return flags | (os.O_DIRECT if case.direct else 0)
+
+
+def _open_read(case: Case, path: str, advice: int) -> int:
+    """Open for reading and state the access pattern to the kernel, as fio does by default (fadvise_hint=1):
+    SEQUENTIAL doubles the readahead window, RANDOM turns readahead off."""
+    fd = os.open(path, _open_flags(case, os.O_RDONLY))
+    os.posix_fadvise(fd, 0, 0, advice)
+    return fd
+
+
+def _timed_reads(case: Case, path: str, offsets, size: int, advice: int, beat: Beat) -> list[Phase]:
+    """pread `size` bytes at each offset into one aligned buffer, one latency per read; stops at `duration`.
+    The loop is kept bare (local names, no allocation): at 4 KiB from the page cache an op takes ~2 us."""
+    buf = aligned_buffer(size)
+    view = [memoryview(buf)[:size]]
+    phase = Phase("read")
+    append, times, me = phase.latencies.append, beat.times, beat.local
+    clock, preadv, got = time.perf_counter, os.preadv, 0
+    fd = _open_read(case, path, advice)
+    beat.phase(_code("read"))
+    deadline = clock() + case.config.duration
+    phase.start = clock()
+    try:
+        for off in offsets:
+            t0 = clock()
+            times[me] = t0
+            got += preadv(fd, view, off)
+            t1 = clock()
+            append(t1 - t0)
+            if t1 > deadline:
+                break
+    finally:
+        times[me] = 0.0
+        os.close(fd)
+    phase.end = clock()
+    phase.bytes, phase.ops = got, len(phase.latencies)
+    return [phase]
+
+
+def measure_seq_read(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    path, offset, length = read_region(case, slot)
+    bs = case.block_size
+    return _timed_reads(case, path, range(offset, offset + length - bs + 1, bs), bs, os.POSIX_FADV_SEQUENTIAL, beat)
+
+
+def measure_rand_read(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    """Reads of one sample at random 4 KiB-aligned offsets (fio's randread with blockalign=4k, norandommap)."""
+    c = case.config
+    path, offset, length = read_region(case, slot)
+    size = -(-c.sample_size // ALIGN) * ALIGN if case.direct else c.sample_size  # O_DIRECT reads whole blocks
+    rng = np.random.default_rng(c.seed + 7919 * slot)
+    offsets = (offset + rng.integers(0, (length - size) // ALIGN + 1, c.rand_ops) * ALIGN).tolist()
+    return _timed_reads(case, path, offsets, size, os.POSIX_FADV_RANDOM, beat)
+
+
+def write_target(case: Case, slot: int) -> tuple[str, int, int]:
+    c = case.config
+    if c.layout == "shared":
+        return os.path.join(case.scratch, "shared-write.bin"), slot * c.file_size, c.file_size
+    return os.path.join(case.scratch, f"write-{slot}.bin"), 0, c.file_size
+
+
+def measure_seq_write(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    """Sequential writes of `block_size`, then one fsync, timed as the last op: the figure is durable throughput."""
+    path, offset, length = write_target(case, slot)
+    bs = case.block_size
+    buf = aligned_buffer(bs, fill_seed=case.config.seed + slot)
+    view = memoryview(buf)[:bs]
+    phase = Phase("write")
+    lat, times, me = phase.latencies, beat.times, beat.local
+    fd = os.open(path, _open_flags(case, os.O_WRONLY | os.O_CREAT), 0o644)
+    beat.phase(_code("write"))
+    phase.start = time.perf_counter()
+    try:
+        for off in range(offset, offset + length - bs + 1, bs):
+            t0 = time.perf_counter()
+            times[me] = t0
+            n = os.pwrite(fd, view, off)
+            t1 = time.perf_counter()
+            times[me] = 0.0
+            lat.append(t1 - t0)
+            phase.bytes += n
+        beat.phase(_code("fsync"))
+        t0 = time.perf_counter()
+        times[me] = t0
+        os.fsync(fd)
+        phase.extra["fsync_s"] = time.perf_counter() - t0
+        times[me] = 0.0
+    finally:
+        os.close(fd)
+    phase.end = time.perf_counter()
+    phase.ops = len(lat)
+    return [phase]
+
+
+# -- metadata --------------------------------------------------------------------------------------------------------
+
+
+def measure_metadata(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    """create (+ write a small body), stat, open (+ read), delete: each of `metadata_files` files, one op each."""
+    c = case.config
+    folder = os.path.join(case.scratch, f"meta-{slot}")
+    os.makedirs(folder, exist_ok=True)
+    names = [os.path.join(folder, f"f{i:07d}") for i in range(c.metadata_files)]
+    body = b"x" * c.metadata_file_size
+    times, me = beat.times, beat.local
+
+    def create(p: str) -> int:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, body)
+        os.close(fd)
+        return len(body)
+
+    def stat(p: str) -> int:
+        os.stat(p)
+        return 0
+
+    def read(p: str) -> int:
+        fd = os.open(p, os.O_RDONLY)
+        n = len(os.read(fd, max(len(body), 1)))
+        os.close(fd)
+        return n
+
+    def delete(p: str) -> int:
+        os.unlink(p)
+        return 0
+
+    phases = []
+    for name, op in (("create", create), ("stat", stat), ("open", read), ("delete", delete)):
+        phase = Phase(name)
+        beat.phase(_code(name))
+        lat = phase.latencies
+        phase.start = time.perf_counter()
+        for p in names:
+            t0 = time.perf_counter()
+            times[me] = t0
+            phase.bytes += op(p)
+            t1 = time.perf_counter()
+            times[me] = 0.0
+            lat.append(t1 - t0)
+        phase.end = time.perf_counter()
+        phase.ops = len(lat)
+        phases.append(phase)
+    return phases
+
+
+# -- checkpoint -------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_shapes(total_bytes: int, hidden: int, itemsize: int = 4) -> list[tuple[int, int]]:
+    """Shapes of a GPT layer's weights ((h, 3h) qkv, (h, h) proj, (h, 4h) fc1, (4h, h) fc2), repeated up to
+    `total_bytes`; the last tensor is cut short so the total is exact to a row."""
+    h = hidden
+    layer = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]
+    shapes, left, i = [], total_bytes, 0
+    while left >= h * itemsize:
+        rows, cols = layer[i % len(layer)]
+        rows = min(rows, left // (cols * itemsize)) if left < rows * cols * itemsize else rows
+        if rows == 0:
+            cols, rows = h, left // (h * itemsize)
+        shapes.append((rows, cols))
+        left -= rows * cols * itemsize
+        i += 1
+    return shapes
+
+
+def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    """Write the tensors of one rank's shard, fsync (the time until durable), evict, read back and compare."""
+    c = case.config
+    shapes = checkpoint_shapes(c.checkpoint_size, c.checkpoint_hidden)
+    rng = np.random.default_rng(c.seed + slot)
+    tensors = [np.frombuffer(rng.bytes(r * k * 4), dtype=np.float32).reshape(r, k) for r, k in shapes]
+    path = os.path.join(case.scratch, f"ckpt-rank{slot:05d}.bin")
+    times, me = beat.times, beat.local
+    write, sync, read = Phase("write"), Phase("fsync"), Phase("read")
+    with open(path, "wb", buffering=0) as f:
+        beat.phase(_code("write"))
+        write.start = time.perf_counter()
+        for t in tensors:
+            t0 = time.perf_counter()
+            times[me] = t0
+            write.bytes += f.write(memoryview(t).cast("B"))
+            write.latencies.append(time.perf_counter() - t0)
+        write.end = sync.start = time.perf_counter()
+        beat.phase(_code("fsync"))
+        times[me] = sync.start
+        os.fsync(f.fileno())
+        sync.end = time.perf_counter()
+        times[me] = 0.0
+        sync.latencies.append(sync.end - sync.start)
+        sync.bytes = write.bytes
+    write.extra["durable_s"] = sync.end - write.start
+    if c.drop_cache:
+        drop_cache(path)
+    out = [np.empty_like(t) for t in tensors]
+    with open(path, "rb", buffering=0) as f:
+        beat.phase(_code("read"))
+        read.start = time.perf_counter()
+        for o in out:
+            t0 = time.perf_counter()
+            times[me] = t0
+            read.bytes += f.readinto(memoryview(o).cast("B"))
+            read.latencies.append(time.perf_counter() - t0)
+        read.end = time.perf_counter()
+        times[me] = 0.0
+    if not all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(tensors, out)):  # NaN-safe
+        raise OSError(f"{path}: the checkpoint read back differs from what was written")
+    for p in (write, sync, read):
+        p.ops = len(p.latencies)
+    return [write, sync, read]
+
+
+# -- replay and train: the real loader ---------------------------------------------------------------------------------
+
+
+def dataset_prefix(case: Case) -> str:
+    return case.config.dataset or os.path.join(case.root, "data", "synthetic_text_document")
+
+
+def make_synthetic_dataset(prefix: str, tokens: int, seed: int) -> None:
+    """A uint16 token dataset of documents 100..4000 tokens long, for replay when the user names none."""
+    from corpusforge.indexed import IndexedDatasetWriter, exists
+
+    if exists(prefix):
+        return
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(100, 4000, max(1, tokens // 2000) + 1)
+    lengths = lengths[np.cumsum(lengths) <= tokens]
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_documents(rng.integers(0, 50000, int(lengths.sum()), dtype=np.uint16), lengths)
+
+
+def _loader(case: Case, slot: int, consumers: int):
+    """Rank `slot` of `consumers` over the dataset, as a training job would build it."""
+    from corpusforge.data import build_gpt_datasets, make_loader
+
+    c = case.config
+    needed = c.steps * c.micro_batch * consumers
+    train, _, _ = build_gpt_datasets(
+        dataset_prefix(case),
+        seq_length=c.seq_length,
+        split="1,0,0",
+        seed=c.seed,
+        num_samples=(needed, None, None),
+        cache_dir=os.path.join(case.root, "data", "index-cache"),
+    )
+    return make_loader(train, c.micro_batch, dp_rank=slot, dp_world_size=consumers, num_workers=c.loader_workers)
+
+
+def measure_replay(case: Case, slot: int, beat: Beat, compute: float = 0.0) -> list[Phase]:
+    """The loader's own reads, batch by batch; with `compute` > 0 each step also sleeps (train emulation)."""
+    c = case.config
+    loader = _loader(case, slot, case.slots)
+    itemsize = loader.dataset.indexed.dtype.itemsize if hasattr(loader.dataset, "indexed") else 2
+    batches = iter(loader)
+    if c.drop_cache:
+        drop_cache(f"{dataset_prefix(case)}.bin")
+    phase = Phase("step")
+    lat, times, me = phase.latencies, beat.times, beat.local
+    beat.phase(_code("read"))
+    phase.start = time.perf_counter()
+    first_end = phase.start
+    for step in range(c.steps):
+        t0 = time.perf_counter()
+        times[me] = t0
+        batch = next(batches)
+        t1 = time.perf_counter()
+        times[me] = 0.0
+        lat.append(t1 - t0)
+        phase.bytes += int(batch["tokens"].shape[0]) * (c.seq_length + 1) * itemsize  # what the gather read
+        phase.extra["samples"] = phase.extra.get("samples", 0) + int(batch["tokens"].shape[0])
+        if compute:
+            time.sleep(compute)
+        if step == 0:
+            first_end = time.perf_counter()
+    phase.end = time.perf_counter()
+    phase.ops = len(lat)
+    phase.extra["tokens"] = phase.extra["samples"] * c.seq_length
+    if compute:
+        # MLPerf Storage / DLIO accelerator utilisation: compute time over wall time, the first step left out.
+        phase.extra["utilization"] = compute * (c.steps - 1) / max(phase.end - first_end, 1e-9)
+    return [phase]
+
+
+def measure_train(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    return measure_replay(case, slot, beat, compute=case.config.compute_time)
+
+
+def prepare_loader(case: Case, slot: int, beat: Beat) -> None:
+    import torch.utils.data  # noqa: F401 - imported now, not inside the first timed step
+
+    _loader(case, slot, case.slots)  # builds (or waits for) the index cache before the timed part
+
+
+PREPARE = {
+    "seq-read": prepare_read_file,
+    "rand-read": prepare_read_file,
+    "replay": prepare_loader,
+    "train": prepare_loader,
+}
+MEASURE = {
+    "seq-read": measure_seq_read,
+    "rand-read": measure_rand_read,
+    "seq-write": measure_seq_write,
+    "metadata": measure_metadata,
+    "checkpoint": measure_checkpoint,
+    "replay": measure_replay,
+    "train": measure_train,
+}
