@@ -8,7 +8,8 @@ and statistics go to `{prefix}.preprocess.json`, and the parts directory is remo
 
 A killed run leaves finished parts and no final files; `resume=True` checks that the parts were made from
 the same inputs, keys and tokenizer (the manifest), and tokenizes only the missing tasks. Because the
-output is the concatenation of per-task results, it is byte-identical for any number of workers, and
+output is the concatenation of per-task results, it is byte-identical for any number of workers, on either
+executor (`corpusforge.executors`: local processes, or Ray across machines that share a file system), and
 whether or not the run was interrupted.
 
 Example:
@@ -21,20 +22,20 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, fields
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from corpusforge import indexed, sources
+from corpusforge.executors import Executor, TaskContext, make_executor
 from corpusforge.tokenizers import Tokenizer, load_tokenizer
 
 MANIFEST_VERSION = 1
@@ -64,7 +65,15 @@ class PreprocessConfig:
     resume: bool = False
     """Reuse the finished parts of an interrupted run with the same inputs, keys and tokenizer."""
     task_bytes: int = 0
-    """Input bytes per task; 0 picks about four tasks per worker, between 4 and 64 MiB."""
+    """Input bytes per task; 0 picks about eight tasks per worker, between 1 and 64 MiB."""
+    executor: str = "local"
+    """'local': worker processes on this machine; 'ray': Ray tasks on a cluster (`pip install 'corpusforge[ray]'`),
+    whose nodes all see the inputs and the output directory at the same paths."""
+    ray_address: str | None = None
+    """Ray cluster to join ('auto': the one `ray start` made on this node); None: a new one on this machine
+    with `workers` CPUs (or every core)."""
+    retries: int = 2
+    """Times a task is run again when its worker process (or Ray node) dies; a task that raises is not retried."""
 
     def output_prefixes(self) -> list[str]:
         return [f"{self.output_prefix}_{key}_document" for key in self.json_keys]
@@ -84,6 +93,7 @@ class PreprocessStats:
     tasks: int = 0
     tasks_resumed: int = 0
     workers: int = 1
+    executor: str = "local"
     dtype: str = ""
     tokenizer: str = ""
     engine: str = ""
@@ -114,12 +124,16 @@ class Progress:
     """An increment of work, sent from workers to whoever watches (the CLI's progress bar).
 
     The first event of a run carries `planned_bytes`, the total in the unit of `file_bytes` (bytes of the
-    input files; compressed bytes for .gz/.zst), and what resumed parts had already done."""
+    input files; compressed bytes for .gz/.zst), `planned_tasks`, and what resumed parts had already done.
+    Local workers send events as they read; on Ray each finished task sends one, with all its counts."""
 
     documents: int
     tokens: int
     file_bytes: int
     planned_bytes: int = 0
+    tasks: int = 0
+    """Tasks (shards) finished."""
+    planned_tasks: int = 0
 
 
 class PreprocessError(RuntimeError):
@@ -134,17 +148,30 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
     """Tokenize `config.inputs` into Megatron datasets; see the module docstring for the guarantees."""
     t0 = time.perf_counter()
     _check_output_dir(config.output_prefix)
+    # Ray connects here, so that its workers start and load the tokenizer while this process loads its own;
+    # the local executor starts nothing (its workers fork later, from a process that has started no thread).
+    warm_up = partial(_warm_worker, config)
+    with make_executor(config.executor, config.workers, config.ray_address, config.retries, warm_up) as executor:
+        return _preprocess(config, executor, on_progress, t0)
+
+
+def _warm_worker(config: PreprocessConfig) -> None:
+    """Load the tokenizer a task of `config` will use (and its engine's lazy imports) in this worker process."""
+    _tokenizer(config, threads=False).encode_batch(["warm up"])
+
+
+def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: float) -> PreprocessStats:
     tokenizer = _tokenizer(config, threads=False)
     # Import what the engine loads lazily on its first call (awkward, for gigatoken) here, once, rather than
     # in every forked worker; serial, so no thread pool exists at the fork.
     tokenizer.encode_batch(["warm up"])
-    workers = config.workers or _available_cores()
+    workers = executor.workers
     files = sources.expand_inputs(config.inputs)
     fingerprint = _fingerprint(config, files, tokenizer)
     summary_path = Path(f"{config.output_prefix}.preprocess.json")
     if config.resume and _already_complete(config, summary_path, fingerprint):
         saved = json.loads(summary_path.read_text())["stats"]
-        stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats)})
+        stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
         stats.already_complete, stats.seconds = True, time.perf_counter() - t0
         return stats
 
@@ -153,16 +180,17 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
     dtype = indexed.best_dtype(tokenizer.vocab_size)
     done = {t.index: _read_done(parts, t.index) for t in tasks}
     todo = [t for t in tasks if done[t.index] is None]
-    job = _Job(config, str(parts), np.dtype(dtype).str)
+    job = _Job(config, os.path.abspath(parts), np.dtype(dtype).str)
     if on_progress:
         resumed_bytes = sum(t.size for t in tasks if done[t.index] is not None)
-        on_progress = _with_plan(on_progress, Progress(0, 0, resumed_bytes, planned_bytes=sum(t.size for t in tasks)))
+        plan = Progress(0, 0, resumed_bytes, sum(t.size for t in tasks), len(tasks) - len(todo), len(tasks))
+        on_progress = _with_plan(on_progress, plan)
     results = dict((i, r) for i, r in done.items() if r is not None)
     merger = _PartMerger(config, parts, tasks, dtype)
     try:
         for index in results:
             merger.part_done(index)
-        results.update(_run_tasks(job, todo, workers, on_progress, merger))
+        results.update(_run_tasks(job, todo, executor, on_progress, merger))
         merger.finish()
     except BaseException as e:
         merger.discard()
@@ -174,10 +202,10 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
         ) from e
 
     stats = _combine(results, tasks, config, tokenizer, workers, dtype)
-    stats.tasks_resumed = len(tasks) - len(todo)
+    stats.tasks_resumed, stats.executor = len(tasks) - len(todo), executor.name
     stats.seconds = time.perf_counter() - t0
     _write_json_atomic(summary_path, {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()})
-    shutil.rmtree(parts)
+    _remove_parts(parts)
     return stats
 
 
@@ -189,11 +217,18 @@ def _check_output_dir(prefix: str) -> None:
         raise PreprocessError(f"output directory {parent} is not writable")
 
 
-def _available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def _remove_parts(parts: Path) -> None:
+    """Remove the parts directory once the outputs are final. A Ray worker process outlives its task and may
+    still be writing a done marker in the background, so the directory is renamed away first: a late writer
+    then fails on the old path instead of refilling it, and a retry catches one caught between rename and rmtree.
+    """
+    doomed = parts.with_name(f"{parts.name}.removing-{os.getpid()}")
+    os.replace(parts, doomed)
+    for _ in range(5):
+        shutil.rmtree(doomed, ignore_errors=True)
+        if not doomed.exists():
+            return
+        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,74 +312,29 @@ class _Job:
     dtype: str
 
 
-def _run_tasks(job: _Job, todo: list, workers: int, on_progress, merger: _PartMerger) -> dict[int, dict]:
+def _run_tasks(job: _Job, todo: list, executor: Executor, on_progress, merger: _PartMerger) -> dict[int, dict]:
+    """Run the missing tasks on `executor`; append each part to the final files as soon as it is next in line."""
     if not todo:
         return {}
+    if executor.remote:  # tasks may run on other machines: name the inputs the same way on every node
+        todo = [replace(t, path=os.path.abspath(t.path)) for t in todo]
     results: dict[int, dict] = {}
-    if workers == 1 or len(todo) == 1:
-        # In this process: tokenize on as many threads as workers were asked for.
-        try:
-            for task in todo:
-                results[task.index] = _run_task(job, task, on_progress, threads=workers > 1)
-                merger.part_done(task.index)
-        finally:
-            _wait_for_syncs()  # before the parts directory can be removed under the fsync thread
-        return results
-    # fork, not spawn: workers inherit the tokenizer loaded here instead of each loading it again, which on a
-    # few hundred MB of input costs as much as the tokenizing. Safe because this process has started no
-    # thread yet (the progress bar starts on the first event, sent below) and has never encoded in parallel
-    # (gigatoken's thread pool would not survive a fork).
-    ctx = mp.get_context("fork")
-    progress_queue = ctx.Queue()
-    with ProcessPoolExecutor(min(workers, len(todo)), ctx, _init_worker, (progress_queue,)) as pool:
-        pending = {pool.submit(_run_task_in_worker, job, t): t for t in todo}
-        while pending:
-            finished, _ = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-            _drain(progress_queue, on_progress)
-            for fut in finished:
-                task = pending.pop(fut)
-                if fut.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise fut.exception()
-                results[task.index] = fut.result()
-                merger.part_done(task.index)  # the parent appends parts while the workers tokenize
-        _drain(progress_queue, on_progress)
+    try:
+        for task, result in executor.run(partial(_run_task, job), todo, on_progress):
+            results[task.index] = result
+            merger.part_done(task.index)  # the parent appends parts while the workers tokenize
+            if on_progress:
+                on_progress(_task_finished(result, streamed=executor.streams_progress))
+    finally:
+        _wait_for_syncs()  # an in-process run's fsyncs, before the parts directory can be removed
     return results
 
 
-def _drain(progress_queue, on_progress) -> None:
-    while True:
-        try:
-            item = progress_queue.get_nowait()
-        except queue.Empty:
-            return
-        if on_progress:
-            on_progress(item)
-
-
-_worker_queue = None
-
-
-def _init_worker(progress_queue) -> None:
-    global _worker_queue
-    _worker_queue = progress_queue
-    _die_with_parent()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent dies, so a killed run leaves no orphan writing parts."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _run_task_in_worker(job: _Job, task) -> dict:
-    return _run_task(job, task, _worker_queue.put, threads=False)
+def _task_finished(result: dict, streamed: bool) -> Progress:
+    """The progress event for a finished task: one more shard, and its counts unless its worker streamed them."""
+    if streamed:
+        return Progress(0, 0, 0, tasks=1)
+    return Progress(result["documents"], result["tokens"], result.get("file_bytes", 0), tasks=1)
 
 
 _tokenizer_cache: dict = {}
@@ -372,16 +362,20 @@ def _with_plan(on_progress: Callable[[Progress], None], plan: Progress) -> Calla
     return forward
 
 
-def _run_task(job: _Job, task, on_progress, threads: bool) -> dict:
-    """Tokenize one task into its part files, then write its done marker; returns the task's statistics."""
-    cfg = job.config
-    tokenizer = _tokenizer(cfg, threads)
+def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
+    """Tokenize one task into its part files, then write its done marker; returns the task's statistics.
+
+    Example (what an executor calls): _run_task(job, tasks[0], TaskContext(report=print)) -> {"documents": 812, ...}
+    """
+    cfg, on_progress = job.config, ctx.report
+    tokenizer = _tokenizer(cfg, threads=ctx.threads > 1)
     eod = tokenizer.eod_id if cfg.append_eod else None
     if cfg.append_eod and eod is None:
         raise PreprocessError(f"tokenizer {tokenizer.name} has no end-of-document token; pass --no-append-eod")
     prefix = Path(job.parts) / f"part-{task.index:05d}"
     writers = [indexed.IndexedDatasetWriter(f"{prefix}_{k}_document", job.dtype) for k in cfg.json_keys]
     stats = {"documents": 0, "tokens": 0, "input_bytes": 0, "records": 0, "bad": Counter(), "first_bad": None}
+    stats["file_bytes"] = 0  # progress units, for executors whose workers cannot stream progress
     try:
         for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line):
             tokens = 0
@@ -396,6 +390,7 @@ def _run_task(job: _Job, task, on_progress, threads: bool) -> dict:
             stats["tokens"] += tokens
             stats["input_bytes"] += batch.input_bytes
             stats["records"] += batch.records
+            stats["file_bytes"] += batch.file_bytes
             stats["bad"].update(batch.bad)
             stats["first_bad"] = stats["first_bad"] or batch.first_bad
             if on_progress:
@@ -408,7 +403,8 @@ def _run_task(job: _Job, task, on_progress, threads: bool) -> dict:
         raise
     stats["bad"] = dict(stats["bad"])
     # The done marker promises a durable part, so it follows the fsyncs; those run on a thread while this
-    # process tokenizes its next task (an fsync here left the core idle for a sixth of the run).
+    # process tokenizes its next task (an fsync here left the core idle for a sixth of the run). The thread
+    # outlives the task: local pools join it when their workers exit; Ray workers may not (see _remove_parts).
     _syncer().submit(_sync_and_mark, [w.prefix for w in writers], Path(f"{prefix}.done.json"), stats)
     return stats
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -54,15 +55,14 @@ def show_progress(enabled: bool | None) -> bool:
 
 
 @contextmanager
-def byte_progress(enabled: bool) -> Iterator[Callable | None]:
-    """A bar over input bytes with docs/s, MB/s, tokens/s and ETA; yields the callback that advances it
-    (a consumer of corpusforge.preprocess.Progress events: the first one sets the total).
-
-    The bar, and rich's refresh thread, start at the first event, so that the library can fork its workers
-    before any thread exists."""
+def task_progress(enabled: bool) -> Iterator[Callable | None]:
+    """Progress over input bytes and tasks (shards), with docs/s, MB/s, tokens/s, ETA: a bar on a terminal; with
+    --progress into a file (a Slurm log), a line per 10 s of shards finishing. Yields the consumer of preprocess's
+    Progress events. No thread (rich's refresh) starts before the first event: the local workers fork before it."""
     if not enabled:
         yield None
         return
+    terminal = err_console.is_terminal
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -73,24 +73,32 @@ def byte_progress(enabled: bool) -> Iterator[Callable | None]:
         TimeRemainingColumn(),
     )
     bar = Progress(*columns, console=err_console, transient=True)
-    task = bar.add_task("tokenizing", total=None, rates="", start=False)
-    counts = {"docs": 0, "tokens": 0}
+    # The clock starts now, not at the first event: on Ray that comes with the first finished shard, and the
+    # rates are overall rates of the run.
+    task = bar.add_task("tokenizing", total=None, rates="")
+    counts = {"docs": 0, "tokens": 0, "tasks": 0, "planned_tasks": 0, "logged": 0.0}
 
     def advance(update) -> None:
-        if not bar.live.is_started:
+        if terminal and not bar.live.is_started:
             bar.start()
-            bar.start_task(task)
         if update.planned_bytes:
             bar.update(task, total=update.planned_bytes)
-        counts["docs"] += update.documents
-        counts["tokens"] += update.tokens
+            counts["planned_tasks"] = update.planned_tasks
+        for key, n in (("docs", update.documents), ("tokens", update.tokens), ("tasks", update.tasks)):
+            counts[key] += n
         bar.advance(task, update.file_bytes)
-        elapsed = bar.tasks[0].elapsed or 1e-9
+        state = bar.tasks[0]
+        elapsed = state.elapsed or 1e-9
         rates = (
-            f"{counts['docs'] / elapsed:,.0f} docs/s  {bar.tasks[0].completed / elapsed / 1e6:,.1f} MB/s  "
-            f"{counts['tokens'] / elapsed:,.0f} tok/s"
+            f"{counts['tasks']}/{counts['planned_tasks']} shards  {counts['docs'] / elapsed:,.0f} docs/s  "
+            f"{state.completed / elapsed / 1e6:,.1f} MB/s  {counts['tokens'] / elapsed:,.0f} tok/s"
         )
         bar.update(task, rates=rates)
+        last = counts["tasks"] == counts["planned_tasks"] and update.tasks
+        if not terminal and (last or (update.tasks and time.monotonic() - counts["logged"] >= 10)):
+            counts["logged"] = time.monotonic()
+            done = f"{state.completed / state.total:.0%}" if state.total else "?"
+            click.echo(f"corpusforge preprocess: {done}  {rates}  {elapsed:,.0f} s", err=True)
 
     try:
         yield advance

@@ -7,6 +7,7 @@ import sys
 import click
 
 from corpusforge.cli import _report
+from corpusforge.executors import EXECUTORS, ExecutorError
 from corpusforge.preprocess import PreprocessConfig, preprocess
 
 
@@ -33,10 +34,36 @@ from corpusforge.preprocess import PreprocessConfig, preprocess
     show_default=True,
     help="End every document with the end-of-document token.",
 )
-@click.option("--workers", type=click.IntRange(min=0), default=0, help="Worker processes [default: one per core].")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Tasks at once [default: one per core; with --executor ray, every CPU of the cluster].",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default="local",
+    show_default=True,
+    help="local: worker processes here; ray: Ray tasks on a cluster whose nodes share the file system.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one on this machine].",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Times a task runs again when its worker process or node dies.",
+)
 @click.option("--on-bad-line", type=click.Choice(["fail", "skip"]), default="fail", show_default=True)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its finished parts.")
-@click.option("--task-size", default="0", help="Input bytes per task, e.g. 64M [default: ~4 tasks per worker].")
+@click.option(
+    "--task-size", default="0", help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB]."
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def preprocess_cmd(
@@ -47,6 +74,9 @@ def preprocess_cmd(
     engine,
     append_eod,
     workers,
+    executor,
+    ray_address,
+    retries,
     on_bad_line,
     resume,
     task_size,
@@ -65,9 +95,14 @@ def preprocess_cmd(
         on_bad_line=on_bad_line,
         resume=resume,
         task_bytes=_parse_size(task_size),
+        executor=executor,
+        ray_address=ray_address,
+        retries=retries,
     )
-    with _report.clear_errors():
-        with _report.byte_progress(_report.show_progress(progress)) as advance:
+    if ray_address and executor != "ray":
+        raise click.UsageError("--ray-address needs --executor ray")
+    with _report.clear_errors(also=(ExecutorError,)):
+        with _report.task_progress(_report.show_progress(progress)) as advance:
             stats = preprocess(config, on_progress=advance)
     rows = [
         ("outputs", ", ".join(f"{p}.bin/.idx" for p in stats.outputs)),
@@ -80,7 +115,7 @@ def preprocess_cmd(
         ("tokenizer", f"{stats.tokenizer} ({stats.engine}), dtype {stats.dtype}"),
         (
             "tasks",
-            f"{stats.tasks} on {stats.workers} workers"
+            f"{stats.tasks} on {stats.workers} workers ({stats.executor})"
             + (f", {stats.tasks_resumed} resumed" if stats.tasks_resumed else ""),
         ),
     ]

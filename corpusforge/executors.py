@@ -1,0 +1,352 @@
+"""Executors: run independent tasks on local worker processes (the default) or on a Ray cluster.
+
+An executor calls `fn(item, ctx)` once for every item and yields `(item, result)` as each finishes, in
+completion order; whoever iterates (preprocess's merger) does the one final step. Tasks must be idempotent:
+they write their own output atomically, so running one twice is harmless. That is what makes retrying safe.
+
+    local   a fork-based process pool. Workers inherit what the parent loaded before the fork (the
+            tokenizer), and stream progress events back through a queue. One worker, or one task, runs in
+            the calling process instead. A worker process that dies (OOM killer, SIGKILL) breaks the pool:
+            the pool is rebuilt and every unfinished task resubmitted, at most `retries` times.
+    ray     one Ray task per item (`num_cpus=1`), retried by Ray when its worker or node dies
+            (`max_retries`). Tasks may run on other machines, so every path must be absolute and on a file
+            system all nodes share. Progress arrives per finished task (from the results).
+
+An exception raised by `fn` itself (bad input, disk full) is not retried by either: it would fail again. It
+is raised to the caller as the original exception, with the unfinished tasks cancelled.
+
+Example:
+    >>> with make_executor("local", workers=2) as ex:
+    ...     sorted(r for _, r in ex.run(square, [1, 2, 3]))     # square(item, ctx) -> item * item
+    [1, 4, 9]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+EXECUTORS = ("local", "ray")
+RAY_EXTRA = "pip install 'corpusforge[ray]'"
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task gets besides its item."""
+
+    report: Callable[[Any], None] | None
+    """Sends a progress event to the caller's `on_progress`; None where events do not stream (Ray)."""
+    threads: int = 1
+    """Cores the task may use: all the run's workers when it runs alone in the calling process, else 1."""
+
+
+TaskFn = Callable[[T, TaskContext], R]
+
+
+class ExecutorError(RuntimeError):
+    """Tasks that cannot be run (a missing extra, workers that keep dying); the message is one line with the fix."""
+
+
+class Executor(ABC, Generic[T, R]):
+    """Runs independent tasks; a context manager, because a cluster is connected to on entry and left on exit."""
+
+    name: str = ""
+    remote: bool = False
+    """Tasks may run on other machines: paths they get must be absolute, on a file system every node sees."""
+    streams_progress: bool = True
+    """Events sent with `ctx.report` reach `on_progress` while tasks run; else the caller reports from results."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release what `__enter__` acquired (a Ray connection this executor opened)."""
+
+    @property
+    @abstractmethod
+    def workers(self) -> int:
+        """How many tasks run at once."""
+
+    @abstractmethod
+    def run(
+        self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
+    ) -> Iterator[tuple[T, R]]:
+        """Call `fn(item, ctx)` for every item; yield `(item, result)` in completion order."""
+
+
+def make_executor(
+    name: str = "local",
+    workers: int = 0,
+    address: str | None = None,
+    retries: int = 2,
+    warm_up: Callable[[], object] | None = None,
+) -> Executor:
+    """The executor called `name`; `workers=0` means every core (local) or every CPU of the cluster (Ray).
+    `warm_up` is what every Ray worker should load before its first task (local workers inherit it by fork).
+
+    Example: make_executor("ray", address="auto") connects, on entry, to the cluster `ray start` made.
+    """
+    if name == "local":
+        return LocalExecutor(workers, retries)
+    if name == "ray":
+        return RayExecutor(address, workers, retries, warm_up)
+    raise ExecutorError(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity set on Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local processes
+
+
+class LocalExecutor(Executor):
+    """A fork-based process pool on this machine; see the module docstring."""
+
+    name = "local"
+
+    def __init__(self, workers: int = 0, retries: int = 2) -> None:
+        self._workers = workers or available_cores()
+        self.retries = retries
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    def run(
+        self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
+    ) -> Iterator[tuple[T, R]]:
+        if self._workers == 1 or len(items) == 1:
+            # In this process: the task may use as many threads as workers were asked for.
+            ctx = TaskContext(on_progress, threads=self._workers)
+            for item in items:
+                yield item, fn(item, ctx)
+            return
+        left = dict(enumerate(items))  # position -> item, until it has a result
+        for attempt in range(self.retries + 1):
+            results = self._run_pool(fn, left, on_progress)
+            try:
+                for pos, result in results:
+                    yield left.pop(pos), result
+                return
+            except BrokenProcessPool:
+                if attempt == self.retries:
+                    raise ExecutorError(
+                        f"a worker process died {attempt + 1} times, {len(left)} tasks unfinished (killed for "
+                        "memory?); finished parts are kept: rerun with --resume"
+                    ) from None
+            finally:
+                results.close()  # a caller that stops early shuts the pool down now, not at garbage collection
+
+    def _run_pool(self, fn: TaskFn, left: dict[int, T], on_progress) -> Iterator[tuple[int, R]]:
+        # fork, not spawn: workers inherit what the caller loaded (the tokenizer) instead of each loading it
+        # again, which on a few hundred MB of input costs as much as the tokenizing. Safe while the caller has
+        # started no thread and never encoded in parallel (gigatoken's thread pool would not survive a fork):
+        # preprocess starts its progress bar on the first event, after this fork. A pool rebuilt after a worker
+        # died forks after that thread started; the workers never touch its locks.
+        ctx = mp.get_context("fork")
+        # SimpleQueue: put() writes to the pipe at once (no feeder thread), so a task's events are all there
+        # before its result is, and the drain after each result misses none.
+        events = ctx.SimpleQueue()
+        pool = ProcessPoolExecutor(min(self._workers, len(left)), ctx, _init_worker, (events,))
+        try:
+            pending = {pool.submit(_call_in_worker, fn, item): pos for pos, item in left.items()}
+            while pending:
+                finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(events, on_progress)
+                for fut in finished:
+                    pos = pending.pop(fut)
+                    yield pos, fut.result()  # raises the task's exception, or BrokenProcessPool
+            _drain(events, on_progress)
+        finally:
+            # Waits for the workers to exit: none of a broken pool may still write a part when the next one
+            # starts the same task, and a finished one's background fsyncs complete.
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _drain(events, on_progress) -> None:
+    while not events.empty():
+        item = events.get()
+        if on_progress:
+            on_progress(item)
+
+
+_worker_events = None
+
+
+def _init_worker(events) -> None:
+    global _worker_events
+    _worker_events = events
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies, so a killed run leaves no orphan writing parts."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _call_in_worker(fn: TaskFn, item: T) -> R:
+    return fn(item, TaskContext(_worker_events.put, threads=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray
+
+
+def import_ray():
+    """`ray`, or one line naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError(f"--executor ray needs Ray, which is not installed: {RAY_EXTRA}") from None
+    return ray
+
+
+class RayExecutor(Executor):
+    """One Ray task per item on the cluster at `address` ('auto': the one `ray start` made on this node;
+    None: a running `ray.init()` in this process, else a new local instance with `workers` CPUs)."""
+
+    name = "ray"
+    remote = True
+    streams_progress = False
+
+    def __init__(
+        self,
+        address: str | None = None,
+        workers: int = 0,
+        retries: int = 2,
+        warm_up: Callable[[], object] | None = None,
+    ) -> None:
+        self.address, self._workers, self.retries, self.warm_up = address, workers, retries, warm_up
+        self._started = False
+        self._own_cpus = False  # a local instance started here with `workers` CPUs: Ray itself limits the tasks
+        self._warming: list = []
+        self._stdout = contextlib.ExitStack()
+
+    def __enter__(self) -> RayExecutor:
+        ray = import_ray()
+        # Ray's driver prints the errors it hears of ("A worker died...") on stdout, whatever log_to_driver
+        # says; stdout is where --json goes, and they are diagnostics: send them to stderr while connected.
+        self._stdout.enter_context(contextlib.redirect_stdout(sys.stderr))
+        try:
+            if not ray.is_initialized():
+                self._connect(ray)
+            if self.warm_up is not None:
+                # A Ray worker process takes a second or more to start and import: start them now, so that this
+                # overlaps with what the caller does before run() (loading its own tokenizer, planning tasks).
+                warm = ray.remote(_warm_up).options(num_cpus=1)
+                self._warming = [warm.remote(self.warm_up) for _ in range(self.workers)]
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _connect(self, ray) -> None:
+        if self.address:
+            where = {"address": self.address}
+        else:  # address=None would join a cluster that `ray start` left on this machine, if any: be explicit
+            where = {"address": "local", "num_cpus": self._workers or None}
+            self._own_cpus = True
+        try:
+            # Ray's INFO lines (and its token-auth notice) would mix with the summary on a terminal, and the
+            # workers' and raylet's lines that log_to_driver forwards go to stdout, where --json writes.
+            ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False, **where)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ExecutorError(
+                f"cannot start or join Ray at {where['address']!r} ({reason}); start the cluster first "
+                "(`ray start --head` on one node, `ray start --address HEAD:6379` on the others)"
+            ) from None
+        self._started = True
+
+    def close(self) -> None:
+        self._warming = []  # a failed warm-up is not an error: the first task meets the same cause and says it
+        if self._started:
+            import_ray().shutdown()
+            self._started = False
+        self._stdout.close()
+
+    @property
+    def workers(self) -> int:
+        if self._workers:
+            return self._workers
+        return max(1, int(import_ray().cluster_resources().get("CPU", 1)))
+
+    def run(
+        self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
+    ) -> Iterator[tuple[T, R]]:
+        ray = import_ray()
+        # max_retries: Ray reruns a task whose worker process or node died; an exception raised by the task
+        # itself is not retried (retry_exceptions=False), as in the local executor.
+        task = ray.remote(_run_on_ray).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
+        fn_ref = ray.put(fn)  # shipped once, not with every task
+        # On a cluster with --workers, at most that many in flight; else all at once, and Ray runs them on free
+        # CPUs in submission order, which is the order the caller merges in.
+        window = self._workers if self._workers and not self._own_cpus else len(items)
+        queued = list(enumerate(items))[::-1]
+        pending: dict = {}
+        try:
+            while queued or pending:
+                while queued and len(pending) < window:
+                    pos, item = queued.pop()
+                    pending[task.remote(fn_ref, item)] = pos
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    pos = pending.pop(ref)
+                    yield items[pos], _ray_result(ray, ref, pos, self.retries)
+        finally:
+            for ref in pending:  # after an error: stop the rest (a running task gets KeyboardInterrupt)
+                ray.cancel(ref)
+
+
+def _ray_result(ray, ref, pos: int, retries: int):
+    """The task's result; its own exception as itself (one line for the CLI), a lost worker as ExecutorError."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        raise (e.cause if isinstance(e.cause, Exception) else e) from e
+    except ray.exceptions.RayError as e:
+        raise ExecutorError(
+            f"task {pos} failed {retries + 1} times on Ray ({type(e).__name__}: its worker or node died); "
+            "finished parts are kept: rerun with --resume"
+        ) from None
+
+
+def _warm_up(fn: Callable[[], object]) -> None:
+    fn()
+
+
+def _run_on_ray(fn: TaskFn, item: T) -> R:
+    try:
+        return fn(item, TaskContext(None, threads=1))
+    except FileNotFoundError as e:
+        raise ExecutorError(
+            f"{e.filename}: not found on node {socket.gethostname()}; every node must see the inputs and the output "
+            "directory at the same path (a shared file system)"
+        ) from None

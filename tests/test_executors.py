@@ -1,0 +1,206 @@
+"""corpusforge.executors: every task runs and reports once, a task's own error is raised as itself, a dead worker's
+task is run again (a bounded number of times), and preprocess gives the same bytes on Ray as on local processes,
+also when a Ray worker is SIGKILLed in the middle of the job. Ray tests start a real local Ray with 2 CPUs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_preprocess import CLI, files_of, make_docs, run, write_jsonl
+
+from corpusforge.executors import ExecutorError, LocalExecutor, TaskContext, make_executor
+
+RAY_BUSY = "ray::_run_on_ray"
+
+
+def square(item: int, ctx: TaskContext) -> int:
+    if ctx.report:
+        ctx.report(("started", item))
+    return item * item
+
+
+def fail_on_three(item: int, ctx: TaskContext) -> int:
+    if item == 3:
+        raise ValueError("item 3 is bad")
+    return item
+
+
+def die_once(item: tuple[int, str], ctx: TaskContext) -> int:
+    """SIGKILL this worker the first time item 2 runs (a marker file remembers), like the OOM killer would."""
+    n, directory = item
+    Path(directory, f"attempt-{n}-{os.getpid()}-{time.monotonic_ns()}").touch()
+    if n == 2 and not Path(directory, "died").exists():
+        Path(directory, "died").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+
+
+def always_die(item: int, ctx: TaskContext) -> int:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return item
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_local_runs_every_item_once_and_streams_progress(workers):
+    events = []
+    with LocalExecutor(workers) as ex:
+        done = list(ex.run(square, list(range(10)), events.append))
+    assert sorted(done) == [(i, i * i) for i in range(10)]
+    assert sorted(events) == [("started", i) for i in range(10)]
+    assert ex.name == "local" and ex.workers == workers and ex.streams_progress and not ex.remote
+
+
+def test_local_task_error_is_raised_as_itself_and_not_retried():
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        with LocalExecutor(2) as ex:
+            list(ex.run(fail_on_three, list(range(6))))
+
+
+def test_local_worker_death_reruns_only_the_unfinished_tasks(tmp_path):
+    items = [(n, str(tmp_path)) for n in range(6)]
+    with LocalExecutor(2, retries=2) as ex:
+        done = dict(ex.run(die_once, items))
+    assert sorted(v for v in done.values()) == list(range(6))
+    attempts = [p.name.split("-")[1] for p in tmp_path.glob("attempt-*")]
+    assert attempts.count("2") == 2  # ran, died, ran again
+    assert all(attempts.count(str(n)) in (1, 2) for n in range(6))  # others at most once more (same broken pool)
+
+
+def test_local_worker_that_keeps_dying_gives_up_with_one_line():
+    with pytest.raises(ExecutorError, match=r"died 2 times.*rerun with --resume") as e:
+        with LocalExecutor(2, retries=1) as ex:
+            list(ex.run(always_die, [1, 2, 3]))
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_executor_and_missing_ray_are_one_line(monkeypatch, tmp_path):
+    with pytest.raises(ExecutorError, match="choose one of local, ray"):
+        make_executor("spark")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ExecutorError, match=r"pip install 'corpusforge\[ray\]'"):
+        with make_executor("ray"):
+            pass
+    src = write_jsonl(tmp_path / "c.jsonl", ["x"])
+    hide_ray = "import sys; sys.modules['ray'] = None; from corpusforge.cli import main; main()"
+    args = ["preprocess", str(src), "--output-prefix", str(tmp_path / "o"), "--executor", "ray"]
+    proc = subprocess.run([sys.executable, "-c", hide_ray, *args], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "corpusforge: error: --executor ray needs Ray, which is not installed: pip install 'corpusforge[ray]'"
+    ]
+
+
+def test_local_summary_names_the_executor_and_ray_address_needs_ray(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(20))
+    summary = json.loads(run("preprocess", src, "--output-prefix", tmp_path / "o", "--json", "--workers", "1").stdout)
+    assert summary["executor"] == "local" and summary["workers"] == 1
+    proc = run("preprocess", src, "--output-prefix", tmp_path / "p", "--ray-address", "auto", check=False)
+    assert proc.returncode == 2 and "--ray-address needs --executor ray" in proc.stderr
+
+
+@pytest.mark.slow
+def test_local_worker_killed_mid_job_reruns_its_task_and_output_is_identical(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(20000, seed=3))
+    run("preprocess", src, "--output-prefix", tmp_path / "whole", "--workers", "1")
+    prefix = tmp_path / "killed"
+    args = ["preprocess", str(src), "--output-prefix", str(prefix), "--workers", "2", "--task-size", "200k", "--json"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = _kill_when_busy(proc, Path(f"{prefix}.parts"), lambda p: p.ppid() == proc.pid)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert killed, "no worker process was found to kill"
+    assert files_of(f"{prefix}_text_document") == files_of(f"{tmp_path}/whole_text_document")
+    assert json.loads(out)["documents"] == 20000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray: each test starts its own local Ray instance (through the CLI: --executor ray --workers 2 -> 2 CPUs)
+
+
+@pytest.fixture(scope="module")
+def ray_installed():
+    pytest.importorskip("ray")
+
+
+@pytest.mark.slow
+def test_ray_output_is_byte_identical_to_local_for_any_worker_count(tmp_path, ray_installed):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(3000, seed=1))
+    outputs, summaries = [], []
+    for executor, workers in (("local", 1), ("local", 2), ("ray", 2)):
+        prefix = tmp_path / f"{executor}{workers}"
+        args = ["--executor", executor, "--workers", workers, "--task-size", "20k", "--json", "--progress"]
+        proc = run("preprocess", src, "--output-prefix", prefix, *args)
+        outputs.append(files_of(f"{prefix}_text_document"))
+        summaries.append(json.loads(proc.stdout))
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    local, ray = summaries[1], summaries[2]
+    assert ray["executor"] == "ray" and ray["workers"] == 2 and local["executor"] == "local"
+    for key in ("documents", "tokens", "input_bytes", "records", "tasks", "dtype", "tokenizer"):
+        assert ray[key] == local[key], key
+    # --progress into a pipe (a Slurm log): lines with shards done and MB/s across the cluster, the last at 100%
+    last = [line for line in proc.stderr.splitlines() if line.startswith("corpusforge preprocess:")][-1]
+    assert f"{ray['tasks']}/{ray['tasks']} shards" in last and "MB/s" in last and "100%" in last
+    assert not Path(f"{tmp_path}/ray2.parts").exists() and not list(tmp_path.glob("*.removing-*"))
+
+
+@pytest.mark.slow
+def test_ray_worker_sigkilled_mid_job_still_gives_identical_output(tmp_path, ray_installed):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(20000, seed=2))
+    run("preprocess", src, "--output-prefix", tmp_path / "whole", "--workers", "1")
+    prefix = tmp_path / "killed"
+    args = ["preprocess", str(src), "--output-prefix", str(prefix), "--task-size", "200k", "--json", "--workers", "2"]
+    args += ["--executor", "ray"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A Ray worker runs under the title `ray::<function>` while it executes a task, `ray::IDLE` between tasks.
+    killed = _kill_when_busy(proc, Path(f"{prefix}.parts"), lambda p: " ".join(p.cmdline()).strip() == RAY_BUSY)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert killed, "no busy Ray worker was found to kill"
+    assert files_of(f"{prefix}_text_document") == files_of(f"{tmp_path}/whole_text_document")
+    summary = json.loads(out)
+    assert summary["executor"] == "ray" and summary["documents"] == 20000
+
+
+def _kill_when_busy(proc: subprocess.Popen, parts: Path, is_worker, timeout: float = 120) -> list[int]:
+    """Once at least one part is done, SIGKILL one descendant of `proc` for which is_worker(process) holds;
+    returns the pids killed (empty if the job ended first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if list(parts.glob("*.done.json")):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if is_worker(child):
+                        child.send_signal(signal.SIGKILL)
+                        return [child.pid]
+                except psutil.Error:  # gone meanwhile
+                    continue
+        time.sleep(0.005)
+    return []
+
+
+@pytest.mark.slow
+def test_ray_driver_killed_then_resume_on_ray_redoes_only_missing_parts(tmp_path, ray_installed):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(20000, seed=4))
+    run("preprocess", src, "--output-prefix", tmp_path / "whole", "--workers", "1")
+    prefix = tmp_path / "killed"
+    args = ["preprocess", str(src), "--output-prefix", str(prefix), "--task-size", "200k", "--workers", "2"]
+    args += ["--executor", "ray"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    parts = Path(f"{prefix}.parts")
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(parts.glob("*.done.json"))) < 2:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started, as when an allocation ends
+    proc.wait()
+    done_before = len(list(parts.glob("*.done.json")))
+    assert 2 <= done_before < len(json.loads((parts / "manifest.json").read_text())["tasks"])
+    assert not Path(f"{prefix}_text_document.bin").exists()
+
+    summary = json.loads(run(*args, "--resume", "--json").stdout)
+    assert summary["tasks_resumed"] >= done_before and summary["executor"] == "ray"
+    assert files_of(f"{prefix}_text_document") == files_of(f"{tmp_path}/whole_text_document")
