@@ -12,6 +12,7 @@ from corpusforge import __version__
 from corpusforge.cli.bench_io import bench_io_cmd
 from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
 from corpusforge.cli.preprocess import preprocess_cmd
+from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd
 from corpusforge.cli.tokenizer import train_tokenizer_cmd
 from corpusforge.cli.train import train_cmd
 
@@ -22,5 +23,16 @@ def main() -> None:
     """corpusforge: Megatron-format token datasets, fast, resumable, and honest about bad input."""
 
 
-for command in (preprocess_cmd, merge_cmd, inspect_cmd, convert_cmd, train_tokenizer_cmd, train_cmd, bench_io_cmd):
+COMMANDS = (
+    preprocess_cmd,
+    merge_cmd,
+    inspect_cmd,
+    convert_cmd,
+    train_tokenizer_cmd,
+    build_knn_cmd,
+    query_knn_cmd,
+    bench_io_cmd,
+    train_cmd,
+)
+for command in COMMANDS:
     main.add_command(command)

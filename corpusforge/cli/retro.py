@@ -1,0 +1,124 @@
+"""`corpusforge build-knn` and `query-knn`: a RETRO retrieval database from a token dataset, and a look inside it."""
+
+from __future__ import annotations
+
+import click
+
+from corpusforge.cli import _report
+
+
+@click.command("build-knn")
+@click.argument("prefix")
+@click.option("--output", required=True, help="Database directory (created if missing).")
+@click.option("--chunk-length", default=64, show_default=True, type=click.IntRange(1, 32767), help="Tokens per chunk.")
+@click.option(
+    "--embedder",
+    default="hashed",
+    show_default=True,
+    help="'hashed' (model-free, lexical) or a local sentence-transformers / Hugging Face model directory.",
+)
+@click.option("--dim", default=128, show_default=True, type=int, help="Dimension of the hashed embedder.")
+@click.option("--tokenizer", default=None, help="Tokenizer of the dataset [default: from PREFIX.preprocess.json].")
+@click.option("--max-index-memory", default="16G", show_default=True, help="RAM the index may use (e.g. 64G).")
+@click.option("--index-key", default=None, help="Force a Faiss index_factory string instead of the planner's.")
+@click.option(
+    "--train-per-list",
+    default=64,
+    show_default=True,
+    type=click.IntRange(39, 256),
+    help="Training vectors per inverted list.",
+)
+@click.option(
+    "--shard-size",
+    default=1 << 20,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Chunks per embedding shard (unit of resume).",
+)
+@click.option(
+    "-k", "--neighbours-k", "k", default=2, show_default=True, type=click.IntRange(1), help="Neighbours per chunk."
+)
+@click.option(
+    "--candidates",
+    default=40,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Approximate hits re-ranked exactly per query.",
+)
+@click.option("--query-prefix", default=None, help="Training dataset to fetch neighbours for [default: PREFIX itself].")
+@click.option(
+    "--recall-queries", default=1000, show_default=True, type=click.IntRange(1), help="Held-out chunks for recall@10."
+)
+@click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
+@click.option("--resume", is_flag=True, help="Finish an interrupted build in --output (same data and options).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def build_knn_cmd(prefix, output, resume, dry_run, as_json, **options) -> None:
+    """Build a retrieval database: chunks, embeddings, Faiss index, recall@10, neighbours; every stage resumable."""
+    from corpusforge.retro import BuildConfig, RetroError, build_knn
+    from corpusforge.retro.common import human_bytes
+
+    config = BuildConfig(prefix=prefix, output=output, **options)
+    with _report.clear_errors(also=(RetroError,)):
+        result = build_knn(config, dry_run=dry_run, resume=resume)
+    data = result.to_dict()
+    if dry_run:
+        est = result.estimates
+        rows = [("chunks", est["chunks"]), *_plan_rows(result.plan)]
+        rows += [(f"disk: {k}", human_bytes(v)) for k, v in est["disk_bytes"].items()]
+        rows += [(f"hours: {k}", v) for k, v in est["hours_2_cores"].items()]
+        _report.print_summary(f"corpusforge build-knn --dry-run {prefix}", rows, data if as_json else None)
+        return
+    st, rec = result.stages, result.recall
+    rows = [
+        ("output", output),
+        ("chunks", st["chunks"]["chunks"]),
+        *_plan_rows(result.plan),
+        ("embeddings", f"{st['embeddings']['dim']}-d float16, {st['embeddings']['shards']} shard(s)"),
+        ("train / add", f"{st['index']['train_s']:,.1f} s / {st['index']['add_s']:,.1f} s"),
+        (
+            "recall@10",
+            f"{rec['recall@10']:.4f} (without re-ranking {rec['recall_without_rerank']:.4f}), "
+            f"{rec['queries']} held-out chunks",
+        ),
+        ("search", f"{rec['search_params']}, {rec['candidates']} candidates, {rec['qps']:,} queries/s"),
+    ]
+    if "neighbours" in st:
+        rows.append(
+            (
+                "neighbours",
+                f"{st['neighbours']['queries']:,} x {st['neighbours']['k']} in {st['neighbours']['seconds']:,.1f} s",
+            )
+        )
+    _report.print_summary(f"corpusforge build-knn {prefix}", rows, data if as_json else None)
+
+
+def _plan_rows(plan: dict) -> list[tuple[str, object]]:
+    from corpusforge.retro.common import human_bytes
+
+    return [("index", plan["key"]), ("index RAM (est.)", human_bytes(plan["ram_bytes"]))]
+
+
+@click.command("query-knn")
+@click.argument("db")
+@click.argument("text")
+@click.option("-k", default=5, show_default=True, type=click.IntRange(1), help="Nearest chunks per query chunk.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+def query_knn_cmd(db, text, k, as_json) -> None:
+    """Show the database chunks nearest to TEXT (tokenised and chunked like the database), as text."""
+    import json
+
+    from corpusforge.retro import RetroError, query_knn
+
+    with _report.clear_errors(also=(RetroError,)):
+        results = query_knn(db, text, k=k)
+    if as_json:
+        click.echo(json.dumps(results, indent=1, ensure_ascii=False))
+        return
+    for r in results:
+        if r["rank"] == 0:
+            click.echo(click.style(f"query chunk {r['query_chunk']}: {r['query_text'][:100]!r}", bold=True))
+        click.echo(f"  {r['rank'] + 1}. score {r['score']:.4f}  chunk {r['chunk']}  document {r['document']}")
+        click.echo("     " + r["text"].replace("\n", " ")[:300])

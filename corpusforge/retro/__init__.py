@@ -1,0 +1,22 @@
+"""RETRO retrieval databases: chunks → embeddings → Faiss index → neighbours, each a resumable stage.
+
+    build_knn(BuildConfig(prefix="out/corpus_text_document", output="db/"))   # the whole pipeline
+    query_knn("db/", "some text")                                             # nearest chunks, as text
+    RetroDataset("db/")[0]                                                    # a sample with neighbour tokens
+
+Layout of a database directory, every file written under a temporary name and renamed when complete:
+
+    manifest.json                  config, data fingerprint, embedder, index key, search parameters, stats
+    chunks/{doc,start,length}.npy  the chunk table (int64 document, int64 first token in the .bin, int16 length)
+    embeddings/shard_NNNNN.npy     float16 (n, dim), L2-normalised, `shard_size` chunks each
+    index/index.faiss              the filled index (index/trained.faiss, index/part_NNNNN.faiss while building)
+    neighbours.bin                 int64 (queries, K) with a 64-byte header (see neighbours.py)
+
+Chunk tokens are never copied: neighbour and continuation tokens are read from the source `.bin` memmap.
+"""
+
+from corpusforge.retro.build import BuildConfig, BuildResult, build_knn, query_knn
+from corpusforge.retro.common import RetroError
+from corpusforge.retro.dataset import RetroDataset
+
+__all__ = ["BuildConfig", "BuildResult", "RetroDataset", "RetroError", "build_knn", "query_knn"]

@@ -1,0 +1,349 @@
+"""`build_knn`: the stages in order (chunks → embeddings → index → recall → neighbours) under one manifest.
+
+`DB/manifest.json` holds the resolved configuration, the identity a resumed run must match (data
+fingerprint, embedder, chunking, seed), the index plan and the tuned search parameters, and each finished
+stage's statistics. A stage is finished when its entry is in the manifest; its files are written atomically
+before that, so a killed run resumes at the first unfinished stage (and inside it, at the first missing shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge.retro import chunks as chunks_mod
+from corpusforge.retro import index as index_mod
+from corpusforge.retro import neighbours as nb_mod
+from corpusforge.retro.common import RetroError, data_fingerprint, open_dataset, parse_bytes, write_json_atomic
+from corpusforge.retro.embed import EmbeddingStore, embed_chunks, load_embedder
+
+MANIFEST = "manifest.json"
+RECALL_K = 10
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    prefix: str
+    """Token dataset (PREFIX.bin/.idx) whose chunks form the retrieval database."""
+    output: str
+    """Database directory; created if missing."""
+    chunk_length: int = 64
+    """Tokens per chunk (RETRO: 64). Chunks never cross a document; a document's last chunk may be shorter."""
+    embedder: str = "hashed"
+    """'hashed' (model-free, lexical) or a local sentence-transformers / Hugging Face model directory."""
+    dim: int = 128
+    """Dimension of the hashed embedder (a multiple of 64); a model has its own."""
+    tokenizer: str | None = None
+    """Tokenizer of the dataset, for detokenising (model embedder, query-knn); default: the one recorded by
+    preprocess in PREFIX.preprocess.json, else cl100k_base."""
+    max_index_memory: str = "16G"
+    """RAM the filled index may use; the planner picks the most exact index that fits."""
+    index_key: str | None = None
+    """Force a Faiss index_factory string instead of the planner's choice."""
+    train_per_list: int = 64
+    """Training vectors per inverted list (faiss wants 39..256)."""
+    shard_size: int = 1 << 20
+    """Chunks per embedding shard: the unit of resuming and of parallel tasks."""
+    k: int = 2
+    """Neighbours stored per query chunk (RETRO: 2)."""
+    candidates: int = 40
+    """Approximate hits fetched per query and re-ranked exactly from the stored embeddings."""
+    query_prefix: str | None = None
+    """Training dataset whose chunks get neighbours; default the database's own (with same-document exclusion)."""
+    recall_queries: int = 1000
+    """Held-out chunks (not in the training sample) on which recall@10 against exact search is measured."""
+    recall_target: float = 0.95
+    """Search parameters are raised (nprobe / efSearch doubled) until recall@10 reaches this."""
+    seed: int = 0
+    """Seeds the embedder, the training sample and the recall queries."""
+    neighbours: bool = True
+    """Run the neighbours stage (off: build the searchable index only)."""
+
+    def identity(self, data: dict, embedder_fp: str, query_data: dict | None) -> dict:
+        """What a resumed build must share with the run it continues."""
+        keys = (
+            "chunk_length",
+            "shard_size",
+            "seed",
+            "train_per_list",
+            "index_key",
+            "max_index_memory",
+            "k",
+            "candidates",
+            "recall_queries",
+            "recall_target",
+        )
+        return {"data": data, "embedder": embedder_fp, "query_data": query_data, **{k: getattr(self, k) for k in keys}}
+
+
+@dataclass
+class BuildResult:
+    output: str
+    plan: dict
+    stages: dict = field(default_factory=dict)
+    recall: dict = field(default_factory=dict)
+    dry_run: bool = False
+    estimates: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_tokenizer(prefix: str, spec: str | None) -> str | None:
+    if spec is not None:
+        return spec
+    summary = Path(f"{prefix}.preprocess.json")
+    if summary.is_file():
+        try:
+            return json.loads(summary.read_text()).get("config", {}).get("tokenizer")
+        except (ValueError, AttributeError):
+            return None
+    return None
+
+
+def _load_tokenizer(spec: str | None):
+    from corpusforge.tokenizers import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, progress=None) -> BuildResult:
+    """Build (or with `resume`, finish) the database in `config.output`; `dry_run` plans without writing."""
+    ds = open_dataset(config.prefix)
+    budget = parse_bytes(config.max_index_memory)
+    tok_spec = resolve_tokenizer(config.prefix, config.tokenizer)
+    tokenizer = _load_tokenizer(tok_spec) if config.embedder != "hashed" else None
+    embedder = load_embedder(config.embedder, config.dim, config.seed, tokenizer)
+    if dry_run:
+        return _dry_run(config, ds, embedder.dim, budget)
+    query_ds = open_dataset(config.query_prefix) if config.query_prefix else None
+    out = Path(config.output)
+    ident = config.identity(
+        data_fingerprint(config.prefix),
+        embedder.fingerprint,
+        data_fingerprint(config.query_prefix) if query_ds else None,
+    )
+    manifest = _open_manifest(out, ident, resume, config, tok_spec)
+
+    def finish(stage: str, stats: dict) -> None:
+        manifest["stages"][stage] = stats
+        write_json_atomic(out / MANIFEST, manifest)
+
+    if "chunks" not in manifest["stages"]:
+        finish("chunks", chunks_mod.build_chunks(ds, out / "chunks", config.chunk_length))
+        if query_ds is not None:
+            manifest["stages"]["chunks"]["query"] = chunks_mod.build_chunks(
+                query_ds, out / "query_chunks", config.chunk_length
+            )
+            finish("chunks", manifest["stages"]["chunks"])
+    table = chunks_mod.ChunkTable.load(out / "chunks")
+    if "embeddings" not in manifest["stages"]:
+        stats = embed_chunks(
+            table,
+            ds.tokens,
+            embedder,
+            out / "embeddings",
+            config.shard_size,
+            config.chunk_length,
+            progress=progress and progress("embedding", len(table)),
+        )
+        finish("embeddings", stats)
+    store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
+    if "index" not in manifest["stages"]:
+        plan = index_mod.plan_index(len(table), embedder.dim, budget, config.train_per_list, config.index_key)
+        manifest["plan"] = plan.to_dict()
+        write_json_atomic(out / MANIFEST, manifest)
+        finish("index", index_mod.build_index(plan, store, out / "index", config.seed))
+    plan = index_mod.IndexPlan(**manifest["plan"])
+    index = index_mod.load_index(out / "index" / "index.faiss", plan.search_params)
+    if "recall" not in manifest["stages"]:
+        recall = _tune_recall(config, plan, index, store, table)
+        manifest["search_params"] = recall["search_params"]
+        finish("recall", recall)
+    if config.neighbours and "neighbours" not in manifest["stages"]:
+        finish("neighbours", _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress))
+    return BuildResult(str(out), manifest["plan"], manifest["stages"], manifest["stages"]["recall"])
+
+
+def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, tok_spec) -> dict:
+    path = out / MANIFEST
+    if path.exists():
+        manifest = json.loads(path.read_text())
+        if not resume:
+            raise RetroError(
+                f"{out}: a database is already there; pass --resume to finish it, or choose a new --output"
+            )
+        old = manifest.get("identity", {})
+        for key in sorted(set(old) | set(ident)):
+            if old.get(key) != ident.get(key):
+                raise RetroError(
+                    f"{out}: cannot resume: {key} was {old.get(key)!r}, now {ident.get(key)!r}; "
+                    "use the same data and options, or a new --output"
+                )
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"version": 1, "identity": ident, "config": asdict(config), "tokenizer": tok_spec, "stages": {}}
+    write_json_atomic(path, manifest)
+    return manifest
+
+
+def _eval_ids(n: int, plan: index_mod.IndexPlan, config: BuildConfig) -> np.ndarray:
+    """Held-out query chunks: a seeded sample of chunks outside the index's training sample."""
+    train = index_mod.train_sample_ids(n, plan.train_size, config.seed)
+    pool = np.setdiff1d(np.arange(n), train, assume_unique=True)
+    size = min(config.recall_queries, len(pool))
+    return np.sort(np.random.default_rng(config.seed + 1).choice(pool, size=size, replace=False))
+
+
+def _tune_recall(config, plan, index, store, table) -> dict:
+    t0 = time.perf_counter()
+    ids = _eval_ids(store.n, plan, config)
+    queries, qdoc = store.get(ids), np.asarray(table.doc[ids])
+    k = min(RECALL_K, max(1, store.n - 1))
+    exact = nb_mod.exact_search(store, table.doc, queries, qdoc, k)
+    params, tried = plan.search_params, []
+    while True:
+        t1 = time.perf_counter()
+        approx, _ = nb_mod.search(index, store, table.doc, queries, qdoc, k, config.candidates, params)
+        qps = len(ids) / (time.perf_counter() - t1)
+        r = nb_mod.recall_at(approx, exact)
+        tried.append({"search_params": params, "recall": round(r, 4), "qps": round(qps)})
+        nxt = index_mod.escalate(params)
+        if r >= config.recall_target or nxt is None:
+            break
+        params = nxt
+    raw = _recall_without_rerank(index, table.doc, queries, qdoc, k, exact)
+    return {
+        f"recall@{k}": round(r, 4),
+        "recall_without_rerank": round(raw, 4),
+        "queries": len(ids),
+        "search_params": params,
+        "candidates": config.candidates,
+        "qps": tried[-1]["qps"],
+        "tried": tried,
+        "target": config.recall_target,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact) -> float:
+    """The index's own order: the first k hits outside the query's document, as a search without re-ranking gives."""
+    _, cand = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(4 * k, 32))
+    bad = (cand < 0) | (db_doc[np.maximum(cand, 0)] == qdoc[:, None])
+    approx = np.array(
+        [c[~b][:k].tolist() + [-1] * (k - int((~b).sum()) if (~b).sum() < k else 0) for c, b in zip(cand, bad)]
+    )
+    return nb_mod.recall_at(approx, exact)
+
+
+def _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress) -> dict:
+    out = Path(config.output)
+    if query_ds is None:
+        query_doc = table.doc
+        vectors = lambda lo, hi: store.get(np.arange(lo, hi))  # noqa: E731 - the DB's own chunks: stored already
+    else:  # another dataset's documents are not the DB's: nothing to exclude by document
+        qtable = chunks_mod.ChunkTable.load(out / "query_chunks")
+        query_doc = None
+        vectors = lambda lo, hi: embedder.embed(  # noqa: E731
+            qtable.tokens(query_ds.tokens, np.arange(lo, hi), config.chunk_length)
+        )
+        vectors.n = len(qtable)
+    n = len(table) if query_ds is None else len(qtable)
+    stats = nb_mod.build_neighbours(
+        index,
+        store,
+        table.doc,
+        vectors,
+        query_doc,
+        out / "neighbours.bin",
+        config.k,
+        config.candidates,
+        manifest["search_params"],
+        block=min(config.shard_size, 65536),
+        progress=progress and progress("neighbours", n),
+    )
+    return stats
+
+
+def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
+    starts, ends = chunks_mod.document_bounds(ds)
+    n = int((-(-(ends - starts) // config.chunk_length)).sum())
+    plan = index_mod.plan_index(n, dim, budget, config.train_per_list, config.index_key)
+    est = estimates(n, dim, plan, config.k)
+    return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)
+
+
+def estimates(n: int, dim: int, plan: index_mod.IndexPlan, k: int) -> dict:
+    """Disk and time of every stage for `n` chunks (time from the rates in index.py, a 2-core machine)."""
+    disk = {
+        "chunks": n * 18,
+        "embeddings": n * dim * 2,
+        "index": plan.disk_bytes,
+        "neighbours": n * k * 8,
+    }
+    hours = {
+        "embeddings": n / index_mod.RATE_EMBED_HASHED / 3600,
+        "index": (plan.est_train_s + plan.est_add_s) / 3600,
+        "neighbours": n / index_mod.RATE_NEIGHBOURS / 3600,
+    }
+    return {
+        "chunks": n,
+        "disk_bytes": disk,
+        "disk_total": sum(disk.values()),
+        "ram_bytes": plan.ram_bytes,
+        "hours_2_cores": {k2: round(v, 3) for k2, v in hours.items()},
+    }
+
+
+# -- query ----------------------------------------------------------------------------------------------------
+
+
+def query_knn(db: str | os.PathLike, text: str, k: int = 5, max_chunks: int = 4) -> list[dict]:
+    """The nearest DB chunks of each chunk of `text` (at most `max_chunks`), as decoded text with scores."""
+    db = Path(db)
+    path = db / MANIFEST
+    if not path.is_file():
+        raise RetroError(f"{db}: not a retrieval database (no {MANIFEST}); build one with `corpusforge build-knn`")
+    manifest = json.loads(path.read_text())
+    if "recall" not in manifest["stages"]:
+        raise RetroError(f"{db}: the database is unfinished; rerun build-knn with --resume")
+    cfg = BuildConfig(**manifest["config"])
+    tokenizer = _load_tokenizer(manifest.get("tokenizer"))
+    embedder = load_embedder(cfg.embedder, cfg.dim, cfg.seed, tokenizer)
+    ds = open_dataset(cfg.prefix)
+    table = chunks_mod.ChunkTable.load(db / "chunks")
+    store = EmbeddingStore(db / "embeddings", len(table), embedder.dim, cfg.shard_size)
+    index = index_mod.load_index(db / "index" / "index.faiss", manifest["search_params"])
+    ids = np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+    if len(ids) == 0:
+        raise RetroError("the query text is empty")
+    pieces = [ids[i : i + cfg.chunk_length] for i in range(0, len(ids), cfg.chunk_length)][:max_chunks]
+    qtok = np.full((len(pieces), cfg.chunk_length), -1, dtype=np.int64)
+    for i, p in enumerate(pieces):
+        qtok[i, : len(p)] = p
+    found, scores = nb_mod.search(
+        index, store, table.doc, embedder.embed(qtok), None, k, max(cfg.candidates, k), manifest["search_params"]
+    )
+    results = []
+    for qi, piece in enumerate(pieces):
+        for rank, (cid, score) in enumerate(zip(found[qi], scores[qi])):
+            if cid < 0:
+                continue
+            tokens = table.tokens(ds.tokens, [cid], cfg.chunk_length)[0]
+            results.append(
+                {
+                    "query_chunk": qi,
+                    "query_text": tokenizer.decode(piece.tolist()),
+                    "rank": rank,
+                    "chunk": int(cid),
+                    "document": int(table.doc[cid]),
+                    "score": round(float(score), 4),
+                    "text": tokenizer.decode(tokens[tokens >= 0].tolist()),
+                }
+            )
+    return results

@@ -1,0 +1,115 @@
+"""What every stage shares: the error type, atomic writes, the data fingerprint, and the kill hook of the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge import indexed
+
+
+class RetroError(ValueError):
+    """Bad input or configuration of a retrieval build; the message is the one line a person needs."""
+
+
+def fsync_dir(path: Path) -> None:
+    indexed.fsync_dir(path)
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """np.save to `path.tmp`, fsync, rename: a reader sees the whole array or nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
+    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+
+
+def open_dataset(prefix: str | os.PathLike) -> indexed.IndexedDataset:
+    """Open a token dataset, with one line naming the missing file rather than a traceback."""
+    prefix = os.fspath(prefix)
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            raise RetroError(
+                f"{prefix}{suffix}: no such file; give the dataset prefix without .bin/.idx "
+                f"(e.g. out/corpus_text_document, as written by `corpusforge preprocess`)"
+            )
+    return indexed.IndexedDataset(prefix)
+
+
+def data_fingerprint(prefix: str | os.PathLike) -> dict:
+    """What identifies the token data, in O(index size): sha256 of the .idx, and the .bin's size and edges.
+
+    Reading the whole .bin (TBs) to resume a stage would cost more than most stages; the .idx holds every length
+    and the edges of the .bin catch a re-tokenised file of the same size."""
+    prefix = os.fspath(prefix)
+    h = hashlib.sha256()
+    with open(indexed.idx_path(prefix), "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            h.update(block)
+    bin_path = indexed.bin_path(prefix)
+    size = bin_path.stat().st_size
+    with open(bin_path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return {"prefix": os.path.abspath(prefix), "bin_bytes": size, "sha256": h.hexdigest()}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'16G', '512M', '3.5GB', '1e9' → bytes (powers of 1024 for K/M/G/T)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if s and s[-1] in units:
+            return int(float(s[:-1]) * units[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise RetroError(f"{text!r} is not a size; write it like 16G, 512M or 2T") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} PiB"
+
+
+def kill_point(stage: str, step: int) -> None:
+    """Tests only: SIGKILL this process at `stage:step` when CORPUSFORGE_RETRO_KILL_AT names it (a real kill,
+    no cleanup, no atexit), so that resuming is tested against exactly what a crash leaves."""
+    if os.environ.get("CORPUSFORGE_RETRO_KILL_AT") == f"{stage}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def import_faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise RetroError("faiss is not installed; `pip install -e '.[retro]'` (faiss-cpu) fixes it") from None
+    return faiss

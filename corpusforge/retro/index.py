@@ -1,0 +1,262 @@
+"""The index stage: a planner that picks a Faiss index for N vectors and a memory budget, then train and fill.
+
+The planner follows autofaiss's published rules (criteo/autofaiss, `get_optimal_index_keys_v2` and
+`get_optimal_nb_clusters`): below 1,000 vectors exact search; HNSW when its graph and raw vectors fit the
+budget; IVF-Flat below 1M vectors; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ, with the
+largest PQ code that fits, and the number of lists growing with N (4·sqrt(N) → 2^14..2^16 → 2^17 → 2^18).
+Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
+
+Filling: an IVF index is filled one embedding shard at a time, each into a copy of the trained empty index
+saved as `index/part_NNNNN.faiss` (resumable per shard, and independent tasks on a cluster), then the parts'
+inverted lists are merged into `index/index.faiss`. HNSW and Flat are filled in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge.retro.common import RetroError, human_bytes, import_faiss, kill_point
+from corpusforge.retro.embed import EmbeddingStore
+
+# Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
+# chunks, 2026-11-21 (benchmarks/results/knn-2026-11-21.json); the dry-run's time estimates scale them, so they say
+# "hours, not days", not minutes exactly.
+RATE_HNSW_ADD = 2_300  # vectors/s, HNSW32 (efConstruction 40), d=128: 1M in 437 s
+RATE_IVF_ADD = 100_000  # vectors/s, IVF1024,Flat at 1M (train on 65k + add: 13.7 s)
+RATE_KMEANS_FLOPS = 2e10  # effective flop/s of faiss k-means (train_n · nlist · d · 2 · iterations)
+RATE_EMBED_HASHED = 67_000  # chunks/s, hashed embedder d=128, gather from the .bin included
+RATE_NEIGHBOURS = 180  # query chunks/s: search + exclusion + exact re-rank at recall@10 0.95 (HNSW32, efSearch 2048)
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    key: str
+    """Faiss index_factory string."""
+    n: int
+    dim: int
+    nlist: int
+    """Inverted lists (0 when not IVF)."""
+    train_size: int
+    ram_bytes: int
+    """Memory the filled index needs (autofaiss's estimates: codes + ids + centroids + graph)."""
+    disk_bytes: int
+    search_params: str
+    """faiss ParameterSpace string used for queries, before tuning to the recall target."""
+    est_train_s: float
+    est_add_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> list[tuple[str, object]]:
+        return [
+            ("index key", self.key),
+            ("vectors", f"{self.n:,} x {self.dim}"),
+            ("train sample", f"{self.train_size:,}"),
+            ("index RAM", human_bytes(self.ram_bytes)),
+            ("index disk", human_bytes(self.disk_bytes)),
+            ("search", self.search_params),
+            ("est. train + add", f"{self.est_train_s + self.est_add_s:,.0f} s"),
+        ]
+
+
+def optimal_nlist(n: int) -> int:
+    """autofaiss's get_optimal_nb_clusters, first choice: 4·sqrt(N) (a power of two) below 1M, then fixed steps."""
+    if n < 1_000_000:
+        return max(1, 2 ** round(math.log2(4 * math.sqrt(n))))
+    if n < 10_000_000:
+        return 2**14
+    if n < 300_000_000:
+        return 2**17
+    return 2**18
+
+
+def _hnsw_bytes(n: int, d: int, m: int) -> int:
+    return int(n * (4 * d + 8 * m + 16) * 1.1)  # raw vectors + 2M level-0 links + upper levels and levels array
+
+
+def _ivf_flat_bytes(n: int, d: int, nlist: int) -> int:
+    return int(n * (4 * d + 8) * 1.05 + nlist * 4 * d)
+
+
+def _ivf_pq_bytes(n: int, d: int, nlist: int, m: int, d_out: int) -> int:
+    quantizer = nlist * (4 * d_out + 8 * 32 + 16)  # HNSW32 over the centroids
+    return int(n * (m + 8) * 1.1 + quantizer + 4 * d * d_out + 256 * 4 * d_out)
+
+
+def _pq_choices(d: int) -> list[tuple[int, int]]:
+    """(m, d_out) from the largest code down: OPQ rotates to d_out = 4m dimensions (autofaiss's choice), so
+    m <= dim/4: sub-vectors of at least 4 dimensions (OPQ's training time grows with m, and past d/4 bought
+    little recall in our runs)."""
+    out = []
+    for m in (256, 128, 64, 48, 32, 24, 16, 12, 8, 4):
+        if m > max(4, d // 4):
+            continue
+        d_out = min(d, 4 * m)
+        d_out -= d_out % m
+        if d_out >= m and m <= d:
+            out.append((m, d_out))
+    return out
+
+
+def plan_index(n: int, dim: int, max_memory: int, train_per_list: int = 64, key: str | None = None) -> IndexPlan:
+    """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string."""
+    if not 39 <= train_per_list <= 256:
+        raise RetroError(f"--train-per-list {train_per_list}: faiss wants 39..256 training vectors per list")
+    if key is not None:
+        return _plan_for_key(key, n, dim, train_per_list)
+    if n < 1000 and n * dim * 4 <= max_memory:
+        return _plan_for_key("Flat", n, dim, train_per_list)
+    for m in (32, 16):
+        if _hnsw_bytes(n, dim, m) <= max_memory:
+            return _plan_for_key(f"HNSW{m}", n, dim, train_per_list)
+    nlist = optimal_nlist(n)
+    if n < 1_000_000 and _ivf_flat_bytes(n, dim, nlist) <= max_memory:
+        return _plan_for_key(f"IVF{nlist},Flat", n, dim, train_per_list)
+    for m, d_out in _pq_choices(dim):
+        if _ivf_pq_bytes(n, dim, nlist, m, d_out) <= max_memory:
+            return _plan_for_key(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}", n, dim, train_per_list)
+    smallest = _ivf_pq_bytes(n, dim, nlist, 4, 16)
+    raise RetroError(
+        f"--max-index-memory {human_bytes(max_memory)} is too small for any index of {n:,} vectors of dimension "
+        f"{dim}: the smallest (OPQ4_16,IVF{nlist}_HNSW32,PQ4) needs {human_bytes(smallest)}; raise it to at least that"
+    )
+
+
+def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
+    import re
+
+    nlist_match = re.search(r"IVF(\d+)", key)
+    nlist = int(nlist_match.group(1)) if nlist_match else 0
+    pq_match = re.search(r"PQ(\d+)", key.split(",")[-1])
+    hnsw_match = re.match(r"HNSW(\d+)", key)
+    kmeans_dim = dim
+    if hnsw_match:
+        ram, params = _hnsw_bytes(n, dim, int(hnsw_match.group(1))), "efSearch=64"
+    elif nlist and pq_match:
+        m = int(pq_match.group(1))
+        d_out = int(re.search(r"OPQ\d+_(\d+)", key).group(1)) if "OPQ" in key else dim
+        ram = _ivf_pq_bytes(n, dim, nlist, m, d_out)
+        params = f"nprobe={min(nlist, 256, max(16, nlist // 64))}" + (
+            ",quantizer_efSearch=128" if "_HNSW" in key else ""
+        )
+        kmeans_dim = d_out  # the coarse k-means runs after the OPQ rotation
+    elif nlist:
+        ram, params = _ivf_flat_bytes(n, dim, nlist), f"nprobe={min(nlist, max(8, nlist // 32))}"
+    else:
+        ram, params = n * dim * 4, ""
+    train = min(n, train_per_list * nlist) if nlist else 0
+    if pq_match:
+        train = min(n, max(train, 256 * 39))  # the PQ codebooks (256 centroids each) need their own 39 per centroid
+    iterations = 10
+    est_train = (train * max(nlist, 256) * kmeans_dim * 2 * iterations) / RATE_KMEANS_FLOPS if train else 0.0
+    est_add = n / (RATE_HNSW_ADD if hnsw_match else RATE_IVF_ADD)
+    return IndexPlan(key, n, dim, nlist, train, ram, int(ram * 0.95), params, round(est_train, 1), round(est_add, 1))
+
+
+def train_sample_ids(n: int, size: int, seed: int) -> np.ndarray:
+    return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)) if size else np.zeros(0, np.int64)
+
+
+def build_index(plan: IndexPlan, store: EmbeddingStore, directory: Path, seed: int) -> dict:
+    """The index stage: train on a seeded sample, fill shard by shard, merge; writes directory/index.faiss."""
+    faiss = import_faiss()
+    directory.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.glob("*.tmp"):
+        leftover.unlink()
+    t0 = time.perf_counter()
+    trained_path = directory / "trained.faiss"
+    if not trained_path.exists():
+        index = faiss.index_factory(plan.dim, plan.key, faiss.METRIC_INNER_PRODUCT)
+        if plan.train_size:
+            _seed_training(faiss, index, seed)
+            index.train(store.get(train_sample_ids(plan.n, plan.train_size, seed)))
+        _write_index(faiss, index, trained_path)
+    kill_point("index", 0)
+    t_train = time.perf_counter() - t0
+    if plan.nlist:
+        _fill_ivf_by_shard(faiss, store, directory, trained_path)
+    else:
+        index = faiss.read_index(str(trained_path))
+        for _first, block in store.blocks():
+            index.add(block)
+        _write_index(faiss, index, directory / "index.faiss")
+    for part in directory.glob("part_*.faiss"):
+        part.unlink()
+    return {"train_s": round(t_train, 3), "add_s": round(time.perf_counter() - t0 - t_train, 3), "ntotal": store.n}
+
+
+def _fill_ivf_by_shard(faiss, store: EmbeddingStore, directory: Path, trained_path: Path) -> None:
+    for s, arr in enumerate(store.shards):
+        part = directory / f"part_{s:05d}.faiss"
+        if part.exists():
+            continue
+        index = faiss.read_index(str(trained_path))
+        first = s * store.shard_size
+        for lo in range(0, len(arr), 1 << 18):
+            block = np.asarray(arr[lo : lo + (1 << 18)], dtype=np.float32)
+            index.add_with_ids(block, np.arange(first + lo, first + lo + len(block), dtype=np.int64))
+        _write_index(faiss, index, part)
+        kill_point("index", s + 1)
+    merged = faiss.read_index(str(trained_path))
+    ivf = faiss.extract_index_ivf(merged)
+    for s in range(len(store.shards)):
+        part = faiss.read_index(str(directory / f"part_{s:05d}.faiss"))
+        ivf.merge_from(faiss.extract_index_ivf(part), 0)
+    merged.ntotal = ivf.ntotal
+    _write_index(faiss, merged, directory / "index.faiss")
+
+
+def _seed_training(faiss, index, seed: int) -> None:
+    """Seed every k-means inside the index (coarse quantizer, PQ codebooks, OPQ) for byte-identical rebuilds."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return
+    ivf.cp.seed = seed
+    pq = getattr(faiss.downcast_index(ivf), "pq", None)
+    if pq is not None:
+        pq.cp.seed = seed
+
+
+def _write_index(faiss, index, path: Path) -> None:
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    faiss.write_index(index, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_index(path: Path, search_params: str, mmap: bool = False):
+    faiss = import_faiss()
+    if not path.exists():
+        raise RetroError(f"{path}: no index; build it with `corpusforge build-knn ... --resume`")
+    index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0)
+    set_search_params(index, search_params)
+    return index
+
+
+def set_search_params(index, params: str) -> None:
+    if params:
+        faiss = import_faiss()
+        faiss.ParameterSpace().set_index_parameters(index, params)
+
+
+def escalate(params: str) -> str | None:
+    """The next, more exhaustive setting of the search parameters (nprobe / efSearch doubled), or None at the top."""
+    if not params:
+        return None
+    parts = dict(p.split("=") for p in params.split(","))
+    key = "nprobe" if "nprobe" in parts else "efSearch"
+    if int(parts[key]) >= 4096:
+        return None
+    parts[key] = str(int(parts[key]) * 2)
+    if "quantizer_efSearch" in parts:
+        parts["quantizer_efSearch"] = str(max(int(parts["quantizer_efSearch"]), int(parts[key])))
+    return ",".join(f"{k}={v}" for k, v in parts.items())

@@ -1,0 +1,208 @@
+"""Neighbour search (approximate candidates, exact re-rank, same-document exclusion) and the neighbours file.
+
+`DB/neighbours.bin`, little-endian:
+
+    offset  size      field
+    0       8         magic b"CFRKNN\\x00\\x01"
+    8       8   <Q    version, 1
+    16      8   <Q    Q, the number of query chunks (rows)
+    24      8   <Q    K, neighbours per query
+    32      32        zero padding (the table starts 64-byte aligned)
+    64      8*Q*K     int64 (Q, K): DB chunk ids, nearest first; -1 where fewer than K chunks qualify
+
+Row q belongs to chunk q of the query chunk table (the DB's own table unless another dataset was given).
+Exclusion is by document id: a DB chunk whose document is the query's document is never a neighbour, however
+many near-duplicate chunks that document has (the search widens until K others are found or the index is
+exhausted). It never assumes the first hit is the query itself.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge.retro.common import RetroError, fsync_dir, kill_point, load_npy, save_npy_atomic
+from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro.index import set_search_params
+
+MAGIC = b"CFRKNN\x00\x01"
+HEADER = 64
+MAX_CANDIDATES = 4096
+
+
+def search(
+    index,
+    store: EmbeddingStore,
+    db_doc: np.ndarray,
+    queries: np.ndarray,
+    query_doc: np.ndarray | None,
+    k: int,
+    candidates: int,
+    params: str = "",
+) -> tuple[np.ndarray, np.ndarray]:
+    """K nearest DB chunks of each query vector: `candidates` approximate hits re-ranked exactly on the stored
+    embeddings, chunks of `query_doc` excluded (None: no exclusion). Returns (ids int64, scores float32), (Q, K).
+
+    Queries whose candidate list was full of same-document chunks are searched again with 4x the candidates."""
+    q = len(queries)
+    ids = np.full((q, k), -1, dtype=np.int64)
+    scores = np.full((q, k), -np.inf, dtype=np.float32)
+    todo = np.arange(q)
+    width = max(candidates, k)
+    while len(todo):
+        _set_width(index, params, width)
+        _, cand = index.search(np.ascontiguousarray(queries[todo], dtype=np.float32), width)
+        top_ids, top_scores, valid = _rerank(
+            store, db_doc, queries[todo], cand, None if query_doc is None else query_doc[todo], k
+        )
+        ids[todo], scores[todo] = top_ids, top_scores
+        # widen only where exclusion may have hidden real neighbours: fewer than k valid and a full list
+        short = (valid < k) & (cand[:, -1] >= 0)
+        if width >= min(MAX_CANDIDATES, store.n) or not short.any():
+            break
+        todo, width = todo[short], min(width * 4, MAX_CANDIDATES, store.n)
+    return ids, scores
+
+
+def _set_width(index, params: str, width: int) -> None:
+    """HNSW returns at most efSearch hits: keep efSearch >= the candidates asked for."""
+    if "efSearch" in params and not params.startswith("nprobe"):
+        parts = dict(p.split("=") for p in params.split(","))
+        parts["efSearch"] = str(max(int(parts["efSearch"]), width))
+        params = ",".join(f"{a}={b}" for a, b in parts.items())
+    set_search_params(index, params)
+
+
+def _rerank(store, db_doc, queries, cand, query_doc, k):
+    vectors = store.get(cand)  # (q, c, d) float32
+    exact = np.einsum("qcd,qd->qc", vectors, np.asarray(queries, dtype=np.float32))
+    bad = cand < 0
+    if query_doc is not None:
+        bad |= db_doc[np.maximum(cand, 0)] == query_doc[:, None]
+    exact[bad] = -np.inf
+    # stable sort on (-score, id): ties broken by chunk id, so results never depend on the index's order
+    order = np.lexsort((cand, -exact), axis=1)[:, :k]
+    top_ids = np.take_along_axis(cand, order, 1)
+    top_scores = np.take_along_axis(exact, order, 1)
+    top_ids[~np.isfinite(top_scores)] = -1
+    if top_ids.shape[1] < k:
+        pad = k - top_ids.shape[1]
+        top_ids = np.pad(top_ids, ((0, 0), (0, pad)), constant_values=-1)
+        top_scores = np.pad(top_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return top_ids, top_scores.astype(np.float32), (~bad).sum(1)
+
+
+def exact_search(store: EmbeddingStore, db_doc, queries, query_doc, k: int) -> np.ndarray:
+    """Brute-force K nearest with the same exclusion, block by block over all stored embeddings (the reference)."""
+    q = len(queries)
+    best_s = np.full((q, k), -np.inf, dtype=np.float32)
+    best_i = np.full((q, k), -1, dtype=np.int64)
+    queries = np.asarray(queries, dtype=np.float32)
+    for first, block in store.blocks():
+        s = queries @ block.T  # (q, rows)
+        if query_doc is not None:
+            s[db_doc[first : first + len(block)][None, :] == query_doc[:, None]] = -np.inf
+        if s.shape[1] > k:  # keep each row's k best of the block before the (k + k)-wide exact merge
+            part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+            s, ids = np.take_along_axis(s, part, 1), part + first
+        else:
+            ids = np.broadcast_to(np.arange(first, first + len(block)), s.shape)
+        all_s, all_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, ids], 1)
+        order = np.lexsort((all_i, -all_s), axis=1)[:, :k]
+        best_s, best_i = np.take_along_axis(all_s, order, 1), np.take_along_axis(all_i, order, 1)
+    best_i[~np.isfinite(best_s)] = -1
+    return best_i
+
+
+def recall_at(approx: np.ndarray, exact: np.ndarray) -> float:
+    """|approx ∩ exact| / |exact| over rows, ignoring -1 in the reference."""
+    hits = total = 0
+    for a, e in zip(approx, exact):
+        e = e[e >= 0]
+        hits += len(np.intersect1d(a[a >= 0], e))
+        total += len(e)
+    return hits / total if total else 1.0
+
+
+# -- the stage and the file ------------------------------------------------------------------------------------
+
+
+def build_neighbours(
+    index,
+    store: EmbeddingStore,
+    db_doc,
+    query_vectors,
+    query_doc,
+    path: Path,
+    k: int,
+    candidates: int,
+    params: str,
+    block: int,
+    progress=None,
+) -> dict:
+    """The neighbours stage: blocks of queries → `path.parts/part_NNNNN.npy` (resumable) → `path` with header.
+
+    `query_vectors(lo, hi)` returns the float32 embeddings of query chunks [lo, hi)."""
+    n = len(query_doc) if query_doc is not None else query_vectors.n
+    parts = path.with_name(path.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    for leftover in parts.glob("*.tmp"):
+        leftover.unlink()
+    t0, served = time.perf_counter(), 0
+    nblocks = -(-n // block)
+    for b in range(nblocks):
+        part = parts / f"part_{b:05d}.npy"
+        if part.exists():
+            continue
+        lo, hi = b * block, min(n, (b + 1) * block)
+        qd = None if query_doc is None else np.asarray(query_doc[lo:hi])
+        ids, _ = search(index, store, db_doc, query_vectors(lo, hi), qd, k, candidates, params)
+        save_npy_atomic(part, ids)
+        served += hi - lo
+        if progress:
+            progress(hi - lo)
+        kill_point("neighbours", b)
+    _write_file(path, [parts / f"part_{b:05d}.npy" for b in range(nblocks)], n, k)
+    for p in parts.iterdir():
+        p.unlink()
+    parts.rmdir()
+    seconds = time.perf_counter() - t0
+    return {
+        "queries": n,
+        "k": k,
+        "seconds": round(seconds, 3),
+        "queries_per_s": round(served / seconds) if served else None,
+    }
+
+
+def _write_file(path: Path, parts: list[Path], n: int, k: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<QQQ", 1, n, k) + bytes(HEADER - len(MAGIC) - 24))
+        for p in parts:
+            f.write(memoryview(np.ascontiguousarray(load_npy(p, mmap=False), dtype="<i8")))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_neighbours(path: Path) -> np.ndarray:
+    """The (Q, K) int64 memmap of a neighbours file, after checking its header against its size."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER)
+    if len(head) < HEADER or head[:8] != MAGIC:
+        raise RetroError(f"{path}: not a corpusforge neighbours file (magic {head[:8]!r})")
+    version, n, k = struct.unpack_from("<QQQ", head, 8)
+    if version != 1:
+        raise RetroError(f"{path}: neighbours file version {version}; this corpusforge reads version 1")
+    size = path.stat().st_size
+    if size != HEADER + 8 * n * k:
+        raise RetroError(f"{path}: {size} bytes, but its header promises {n} x {k} neighbours; the file is truncated")
+    if n * k == 0:
+        return np.zeros((n, k), dtype=np.int64)
+    return np.memmap(path, dtype="<i8", mode="r", offset=HEADER, shape=(n, k))

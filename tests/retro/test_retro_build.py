@@ -1,0 +1,219 @@
+"""build-knn end to end: exclusion by document, exact agreement, recall in the summary, byte-identical rebuilds,
+resume after a real SIGKILL in every stage, RetroDataset contents, query-knn, and bad input as one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from retrokit import near_duplicate_documents, run_cli, topical_documents, write_dataset
+
+from corpusforge.retro import BuildConfig, RetroDataset, build_knn
+from corpusforge.retro.chunks import ChunkTable
+from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro.neighbours import exact_search, read_neighbours
+
+DATA_FILES = (
+    "chunks/doc.npy",
+    "chunks/start.npy",
+    "chunks/length.npy",
+    "chunks/doc_end.npy",
+    "index/index.faiss",
+    "neighbours.bin",
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    """~700 chunks: topical documents, then a document of 40 near-identical chunks (A) and one of 2 copies (B)."""
+    root = tmp_path_factory.mktemp("retro")
+    return write_dataset(root / "corpus", topical_documents(150, max_len=300) + near_duplicate_documents())
+
+
+def _config(dataset, out, **kw) -> BuildConfig:
+    return BuildConfig(prefix=dataset, output=str(out), shard_size=256, recall_queries=200, **kw)
+
+
+def _files(db: Path) -> dict[str, bytes]:
+    paths = list(DATA_FILES) + sorted(str(p.relative_to(db)) for p in (db / "embeddings").glob("*.npy"))
+    return {p: (db / p).read_bytes() for p in paths}
+
+
+def test_neighbours_equal_exact_search_with_same_document_exclusion(dataset, tmp_path):
+    result = build_knn(_config(dataset, tmp_path / "db", index_key="Flat", k=4, candidates=8))
+    table = ChunkTable.load(tmp_path / "db" / "chunks")
+    nb = read_neighbours(tmp_path / "db" / "neighbours.bin")
+    assert nb.shape == (len(table), 4) and nb.dtype == np.int64
+    store = EmbeddingStore(tmp_path / "db" / "embeddings", len(table), 128, 256)
+    exact = exact_search(store, table.doc, store.get(np.arange(len(table))), np.asarray(table.doc), 4)
+    # the same ids, except where two scores tie to float32 rounding (einsum vs BLAS): then the same scores
+    queries = store.get(np.arange(len(table)))
+    score = lambda ids: np.einsum("qkd,qd->qk", store.get(ids), queries)  # noqa: E731
+    np.testing.assert_allclose(score(nb), score(exact), atol=1e-5)
+    assert (nb == exact).all(1).mean() > 0.98
+    valid = nb >= 0
+    assert not (table.doc[np.maximum(nb, 0)] == table.doc[:, None])[valid].any()
+    assert result.recall["recall@10"] == 1.0
+
+
+def test_near_duplicate_chunks_never_neighbour_their_own_document(dataset, tmp_path):
+    """Doc A's 40 chunks are each other's nearest; with only 4 candidates the search must widen to find doc B."""
+    build_knn(_config(dataset, tmp_path / "db", k=2, candidates=4))
+    table = ChunkTable.load(tmp_path / "db" / "chunks")
+    nb = read_neighbours(tmp_path / "db" / "neighbours.bin")
+    doc_a, doc_b = int(table.doc[-1]) - 1, int(table.doc[-1])
+    b_chunks = set(np.flatnonzero(table.doc == doc_b).tolist())
+    for q in np.flatnonzero(table.doc == doc_a):
+        assert set(nb[q].tolist()) == b_chunks  # both of B's copies, nothing of A, no -1
+    for q in b_chunks:  # B's two chunks are identical: each other's nearest, but excluded; A's come first
+        assert table.doc[nb[q]].tolist() == [doc_a, doc_a]
+
+
+def test_missing_neighbours_are_minus_one(tmp_path):
+    prefix = write_dataset(tmp_path / "two", [np.arange(200), np.arange(1000, 1100)])
+    build_knn(BuildConfig(prefix=prefix, output=str(tmp_path / "db"), k=3, recall_queries=5))
+    nb = read_neighbours(tmp_path / "db" / "neighbours.bin")
+    # doc 0 has 4 chunks, doc 1 has 2: chunks of doc 0 find only doc 1's two; doc 1's find doc 0's four
+    assert nb[:4, 2].tolist() == [-1] * 4 and (nb[:4, :2] >= 4).all()
+    assert (nb[4:] >= 0).all() and (nb[4:] < 4).all()
+
+
+def test_same_seed_gives_identical_bytes(dataset, tmp_path):
+    for key in (None, "HNSW32", "IVF8,Flat"):
+        a, b = tmp_path / f"a{key}", tmp_path / f"b{key}"
+        build_knn(_config(dataset, a, index_key=key))
+        build_knn(_config(dataset, b, index_key=key))
+        assert _files(a) == _files(b), key
+    c = tmp_path / "c"
+    build_knn(_config(dataset, c, index_key="IVF8,Flat", seed=1))
+    assert _files(c)["embeddings/shard_00000.npy"] != _files(a)["embeddings/shard_00000.npy"]
+
+
+def test_cli_summary_json_reports_recall(dataset, tmp_path):
+    from corpusforge.cli.retro import build_knn_cmd
+
+    r = CliRunner().invoke(build_knn_cmd, [dataset, "--output", str(tmp_path / "db"), "--shard-size", "256", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["recall"]["recall@10"] >= 0.95 and data["plan"]["key"] == "Flat"
+    assert data["stages"]["neighbours"]["queries"] == data["stages"]["chunks"]["chunks"]
+    manifest = json.loads((tmp_path / "db" / "manifest.json").read_text())
+    assert manifest["identity"]["data"]["sha256"] and manifest["search_params"] == data["recall"]["search_params"]
+    dry = CliRunner().invoke(build_knn_cmd, [dataset, "--output", str(tmp_path / "dry"), "--dry-run", "--json"])
+    assert json.loads(dry.output)["estimates"]["chunks"] == data["stages"]["chunks"]["chunks"]
+    assert not (tmp_path / "dry").exists()
+
+
+def test_retro_dataset_gathers_neighbour_and_continuation_tokens(dataset, tmp_path):
+    build_knn(_config(dataset, tmp_path / "db"))
+    ds = RetroDataset(tmp_path / "db", seq_length=128, pad_id=0)
+    table = ChunkTable.load(tmp_path / "db" / "chunks")
+    from corpusforge.indexed import IndexedDataset
+
+    tokens = np.asarray(IndexedDataset(dataset).tokens)
+    batch = ds.get_batch([0, 3])
+    assert batch["tokens"].shape == (2, 128) and batch["neighbours"].shape == (2, 2, 2, 128)
+    sample = ds[3]
+    for j, chunk in enumerate(sample["chunk_ids"]):
+        s, n = int(table.start[chunk]), int(table.length[chunk])
+        assert sample["tokens"][j * 64 : j * 64 + n].tolist() == tokens[s : s + n].tolist()
+        for slot, nb in enumerate(sample["neighbour_ids"][j]):
+            s, end = int(table.start[nb]), int(table.doc_end[table.doc[nb]])
+            expect = tokens[s : min(end, s + 128)].tolist()
+            got = sample["neighbours"][j, slot]
+            assert got[: len(expect)].tolist() == expect and (got[len(expect) :] == 0).all()
+    assert np.array_equal(batch["neighbours"][1], sample["neighbours"])
+
+
+def test_query_knn_shows_chunks_as_text(tmp_path):
+    from corpusforge.cli.retro import query_knn_cmd
+    from corpusforge.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(None)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Tensor cores multiply matrices in half precision."]
+    flat, lengths = tok.encode_batch(texts * 2)
+    from corpusforge.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "t", np.int32) as w:
+        w.add_documents(flat, lengths)
+    build_knn(BuildConfig(prefix=str(tmp_path / "t"), output=str(tmp_path / "db"), recall_queries=4))
+    r = CliRunner().invoke(query_knn_cmd, [str(tmp_path / "db"), "matrices in half precision", "-k", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)[0]["text"] == texts[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/nonexistent/corpus_text_document"], "corpus_text_document.bin: no such file"),
+        (["{data}", "--max-index-memory", "1K"], "too small for any index"),
+        (["{data}", "--index-key", "IVF8,Flat", "--dim", "96"], "multiple of 64"),
+    ],
+)
+def test_bad_input_is_one_line(dataset, tmp_path, args, message):
+    from corpusforge.cli.retro import build_knn_cmd
+
+    args = [a.replace("{data}", dataset) for a in args] + ["--output", str(tmp_path / "db")]
+    r = CliRunner().invoke(build_knn_cmd, args)
+    assert r.exit_code == 1 and message in r.output and r.output.strip().count("\n") == 0, r.output
+
+
+def test_existing_database_needs_resume_and_same_options(dataset, tmp_path):
+    from corpusforge.cli.retro import build_knn_cmd
+
+    out = str(tmp_path / "db")
+    assert CliRunner().invoke(build_knn_cmd, [dataset, "--output", out, "--shard-size", "256"]).exit_code == 0
+    r = CliRunner().invoke(build_knn_cmd, [dataset, "--output", out, "--shard-size", "256"])
+    assert r.exit_code == 1 and "pass --resume" in r.output
+    r = CliRunner().invoke(build_knn_cmd, [dataset, "--output", out, "--shard-size", "512", "--resume"])
+    assert r.exit_code == 1 and "shard_size was 256, now 512" in r.output
+    assert (
+        CliRunner().invoke(build_knn_cmd, [dataset, "--output", out, "--shard-size", "256", "--resume"]).exit_code == 0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["chunks:1", "embeddings:1", "index:0", "index:2", "neighbours:1"])
+def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
+    """A real SIGKILL inside each stage (after its first shard/part), then --resume: the same bytes as one run."""
+    opts = ["--shard-size", "256", "--index-key", "IVF8,Flat", "--recall-queries", "200"]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    build_knn(_config(dataset, ref, index_key="IVF8,Flat"))
+    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": kill_at})
+    assert killed.returncode == -9, killed.stderr
+    assert not (out / "neighbours.bin").exists()
+    resumed = run_cli("build-knn", dataset, "--output", str(out), *opts, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _files(out) == _files(ref)
+    assert not list(out.rglob("*.tmp")) and not (out / "index" / "trained.faiss.tmp").exists()
+    shutil.rmtree(out)
+
+
+def test_neighbours_for_another_training_dataset(dataset, tmp_path):
+    """--query-prefix: neighbours for a training set's chunks, embedded on the fly; no document is shared."""
+    train = write_dataset(tmp_path / "train", topical_documents(20, seed=5))
+    build_knn(_config(dataset, tmp_path / "db", query_prefix=train, index_key="Flat"))
+    qtable = ChunkTable.load(tmp_path / "db" / "query_chunks")
+    nb = read_neighbours(tmp_path / "db" / "neighbours.bin")
+    assert nb.shape == (len(qtable), 2) and (nb >= 0).all()
+    sample = RetroDataset(tmp_path / "db", seq_length=64)[1]
+    from corpusforge.indexed import IndexedDataset
+
+    s, n = int(qtable.start[1]), int(qtable.length[1])
+    assert sample["tokens"][:n].tolist() == np.asarray(IndexedDataset(train).tokens[s : s + n]).tolist()
+
+
+def test_truncated_neighbours_file_is_refused(dataset, tmp_path):
+    from corpusforge.retro import RetroError
+
+    build_knn(_config(dataset, tmp_path / "db", index_key="Flat"))
+    path = tmp_path / "db" / "neighbours.bin"
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(RetroError, match="truncated"):
+        read_neighbours(path)
+    path.write_bytes(b"XXXXXXXX" + data[8:])
+    with pytest.raises(RetroError, match="not a corpusforge neighbours file"):
+        read_neighbours(path)

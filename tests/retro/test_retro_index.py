@@ -1,0 +1,73 @@
+"""The planner follows autofaiss's rules; a budget too small for any index is one clear error; PQ path builds."""
+
+import numpy as np
+import pytest
+
+from corpusforge.retro.common import RetroError
+from corpusforge.retro.index import optimal_nlist, plan_index
+
+G = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("n", "budget", "key"),
+    [
+        (500, 16 * G, "Flat"),
+        (100_000, 16 * G, "HNSW32"),
+        (100_000, 80 << 20, "HNSW16"),
+        (100_000, 60 << 20, "IVF1024,Flat"),
+        (100_000, 30 << 20, "OPQ32_128,IVF1024_HNSW32,PQ32"),
+        (5_000_000, 2 * G, "OPQ32_128,IVF16384_HNSW32,PQ32"),
+        (10**9, 64 * G, "OPQ32_128,IVF262144_HNSW32,PQ32"),
+        (10**9, 16 * G, "OPQ4_16,IVF262144_HNSW32,PQ4"),
+    ],
+)
+def test_planner_choices(n, budget, key):
+    plan = plan_index(n, 128, budget)
+    assert plan.key == key
+    assert plan.ram_bytes <= budget
+    if plan.nlist:
+        assert 39 * plan.nlist <= plan.train_size or plan.train_size == n  # faiss's 39 per list, or all there is
+        assert plan.train_size <= max(256 * plan.nlist, 256 * 39)
+
+
+def test_nlist_grows_with_n():
+    sizes = [10**4, 10**5, 10**6 - 1, 10**6, 10**7, 10**8, 10**9, 10**11]
+    lists = [optimal_nlist(n) for n in sizes]
+    assert lists == sorted(lists) and lists[0] >= 256 and lists[-1] == 2**18
+
+
+def test_budget_too_small_for_any_index():
+    with pytest.raises(RetroError, match=r"too small for any index of 1,000,000,000 vectors.*at least"):
+        plan_index(10**9, 128, 1 * G)
+
+
+def test_forced_key_and_bad_train_per_list():
+    assert plan_index(10_000, 64, G, key="IVF16,Flat").nlist == 16
+    with pytest.raises(RetroError, match="39..256"):
+        plan_index(10_000, 64, G, train_per_list=10)
+
+
+@pytest.mark.slow
+def test_pq_index_builds_and_searches(tmp_path):
+    """The OPQ + IVF(HNSW) + PQ path end to end on a small store, with exact re-ranking lifting recall."""
+    from corpusforge.retro.embed import EmbeddingStore, HashedNgramEmbedder, shard_path
+    from corpusforge.retro.index import build_index, load_index
+    from corpusforge.retro.neighbours import exact_search, recall_at, search
+
+    rng = np.random.default_rng(0)
+    vectors = HashedNgramEmbedder(dim=64).embed(rng.integers(0, 500, (3000, 16))).astype(np.float16)
+    (tmp_path / "e").mkdir()
+    np.save(shard_path(tmp_path / "e", 0), vectors[:2000])
+    np.save(shard_path(tmp_path / "e", 1), vectors[2000:])
+    store = EmbeddingStore(tmp_path / "e", 3000, 64, 2000)
+    plan = plan_index(3000, 64, G, key="OPQ8_32,IVF16_HNSW32,PQ8")
+    build_index(plan, store, tmp_path / "i", seed=0)
+    index = load_index(tmp_path / "i" / "index.faiss", "nprobe=16,quantizer_efSearch=32")
+    assert index.ntotal == 3000
+    doc = np.arange(3000)
+    q = store.get(np.arange(0, 3000, 30))
+    exact = exact_search(store, doc, q, doc[::30], 10)
+    _, raw = index.search(q, 10)
+    approx, _ = search(index, store, doc, q, doc[::30], 10, 300, "nprobe=16,quantizer_efSearch=32")
+    assert recall_at(approx, exact) >= 0.9 > recall_at(raw, exact)  # exact re-ranking recovers what PQ8 loses
