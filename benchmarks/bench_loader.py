@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from corpusforge.data import StorageConfig, build_gpt_datasets, make_loader  # noqa: E402
 from corpusforge.indexed import IndexedDatasetWriter  # noqa: E402
+from corpusforge.storage import drop_page_cache  # noqa: E402
 
 VOCAB = 50257
 EOD = 50256
@@ -171,16 +172,6 @@ def block_read_bytes() -> int:
     return (own + children) * 512
 
 
-def evict(path: str) -> None:
-    """Drop the file's pages from the page cache (dirty pages cannot be dropped: write them back first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def warm(path: str) -> None:
     with open(path, "rb") as f:
         while f.read(64 << 20):
@@ -192,7 +183,7 @@ def measure(run, n: int, sample_bytes: int, cold_path: str | None = None, repeat
     best = None
     for _ in range(repeats if cold_path is None else 1):
         if cold_path:
-            evict(cold_path)
+            drop_page_cache(cold_path)
         before = block_read_bytes()
         t0 = time.perf_counter()
         run(n)

@@ -24,6 +24,7 @@ from corpusforge.storage import (
     LocalDataset,
     RemoteDataset,
     StorageConfig,
+    drop_page_cache,
     open_dataset,
 )
 
@@ -84,7 +85,7 @@ def test_cold_pread_reads_about_the_sample_bytes(tmp_path):
     asked = int(lengths.sum()) * 2
     read = {}
     for mode in ("direct", "pread", "mmap"):
-        evict(prefix + ".bin")
+        drop_page_cache(prefix + ".bin")
         before = read_bytes()
         LocalDataset(prefix, read_mode=mode).read_spans(starts, lengths)
         read[mode] = read_bytes() - before
@@ -93,15 +94,6 @@ def test_cold_pread_reads_about_the_sample_bytes(tmp_path):
     assert read["direct"] <= 1.5 * asked, read
     assert read["pread"] <= 2.5 * asked, read  # 4 KiB pages around 4098-byte spans: 2 to 3 pages each
     assert read["mmap"] > 4 * read["pread"], read  # read-ahead around every fault
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def read_bytes() -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge.iobench.config import BenchConfig
+from corpusforge.storage import drop_page_cache
 
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks
 FILL_CHUNK = 1 << 20  # bytes per write when preparing read files
@@ -87,16 +88,6 @@ def aligned_buffer(size: int, fill_seed: int | None = None) -> mmap.mmap:
     return buf
 
 
-def drop_cache(path: str) -> None:
-    """Write back and evict `path` from the page cache, so that the next read comes from the storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def read_region(case: Case, slot: int) -> tuple[str, int, int]:
     """(file, offset, length) that `slot` reads: its own file, or its slice of the shared file."""
     c = case.config
@@ -131,7 +122,7 @@ def prepare_read_file(case: Case, slot: int, beat: Beat) -> None:
         _fill(path, offset, length, case.config.seed + slot, beat)
         marker.touch()
     if case.config.drop_cache:
-        drop_cache(path)
+        drop_page_cache(path)
 
 
 # -- seq-read, rand-read, seq-write --------------------------------------------------------------------------------
@@ -332,7 +323,7 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
         sync.bytes = write.bytes
     write.extra["durable_s"] = sync.end - write.start
     if c.drop_cache:
-        drop_cache(path)
+        drop_page_cache(path)
     out = [np.empty_like(t) for t in tensors]
     with open(path, "rb", buffering=0) as f:
         beat.phase(_code("read"))
@@ -396,7 +387,7 @@ def measure_replay(case: Case, slot: int, beat: Beat, compute: float = 0.0) -> l
     itemsize = loader.dataset.indexed.dtype.itemsize if hasattr(loader.dataset, "indexed") else 2
     batches = iter(loader)
     if c.drop_cache:
-        drop_cache(f"{dataset_prefix(case)}.bin")
+        drop_page_cache(f"{dataset_prefix(case)}.bin")
     phase = Phase("step")
     lat, times, me = phase.latencies, beat.times, beat.local
     beat.phase(_code("read"))
