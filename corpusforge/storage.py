@@ -55,9 +55,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 
+from corpusforge._jit import njit
 from corpusforge.indexed import (
     DTYPE_CODES,
     HEADER_SIZE,
@@ -277,7 +277,7 @@ def _copy_spans(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _copy_spans_kernel(tokens, starts, lengths, out) -> None:
     pos = 0
     for k in range(len(starts)):

@@ -346,3 +346,30 @@ def test_blend_of_a_url_and_a_path_matches_all_local(corpus, tmp_path):
     for m, ref in zip(mixed[:2], local[:2]):
         ids = np.arange(len(ref))
         np.testing.assert_array_equal(m.get_batch(ids)["tokens"], ref.get_batch(ids)["tokens"])
+
+
+def test_imports_work_for_a_user_who_cannot_write_numba_caches(tmp_path):
+    # A read-only install used by another user: numba finds no writable cache directory. `nobody` cannot write
+    # this checkout's __pycache__ nor a home directory; the jitted modules must still import and run.
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run as another user")
+    code = (
+        "import numpy as np, corpusforge.storage as s, corpusforge.data, corpusforge.retro.embed;"
+        "t = np.arange(10, dtype=np.int32); out = np.empty(4, np.int32);"
+        "print(s._copy_spans(t, np.array([2, 7]), np.array([2, 2]), out).tolist())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")} | {"HOME": "/nonexistent"}
+    proc = subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[2,", "3,", "7,", "8]"]

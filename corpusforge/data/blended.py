@@ -25,14 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from corpusforge._jit import njit
 from corpusforge.data.cache import IndexCache, picklable, unpickled
 from corpusforge.data.gpt_dataset import GPTDataset, make_batch, to_torch
-
-try:
-    import numba
-except ImportError as e:  # pragma: no cover - numba is a dependency of corpusforge.data
-    raise ImportError("corpusforge.data needs numba for the blending indices: pip install numba") from e
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the blend list
@@ -111,7 +106,7 @@ def samples_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.
 # the blending indices
 
 
-@numba.njit(cache=True)
+@njit()
 def _fill_blending(dataset_index, dataset_sample_index, weights, size):  # pragma: no cover - compiled
     counts = np.zeros(len(weights), dtype=np.int64)
     for i in range(size):
@@ -128,7 +123,7 @@ def _fill_blending(dataset_index, dataset_sample_index, weights, size):  # pragm
         counts[best] += 1
 
 
-@numba.njit(cache=True)
+@njit()
 def _fill_exhaustive(dataset_index, dataset_sample_index, sizes):  # pragma: no cover - compiled
     total = sizes.sum()
     weights = sizes / float(total)

@@ -35,9 +35,9 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
+from corpusforge._jit import njit
 from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpickled
 from corpusforge.indexed import IndexedDataset
 
@@ -245,7 +245,7 @@ def build_sample_index(
     return out
 
 
-@numba.njit(cache=True)
+@njit()
 def _sample_starts(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
     """Fill out[j] = (position, offset) of sample start j * seq_length: one pass over the document stream with
     starts that only grow, a merge of two sorted sequences, O(D + S) (a searchsorted over a cumsum took 3x longer).
@@ -327,7 +327,7 @@ def build_indices(
 # samples
 
 
-@numba.njit(cache=True)
+@njit()
 def _sample_pieces(rows, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, width, extra):
     """The document pieces of samples `rows` (sample-index rows): token start in the file, length, and offset in
     the flat (B * width) output, in sample order then document order."""

@@ -25,6 +25,7 @@ from typing import Protocol
 import numba
 import numpy as np
 
+from corpusforge._jit import njit
 from corpusforge.retro.chunks import ChunkTable
 from corpusforge.retro.common import RetroError, kill_point, load_npy, save_npy_atomic
 
@@ -60,7 +61,7 @@ def _add_feature(acc, h, dim):
             acc[block * 64 + b] += 1.0 - 2.0 * np.float32((bits >> np.uint64(b)) & np.uint64(1))
 
 
-@numba.njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _hashed_embed(tokens, seed, dim, bigram_weight):  # tokens (n, C) int64 → (n, dim) float32
     n, c = tokens.shape
     out = np.zeros((n, dim), dtype=np.float32)
