@@ -245,20 +245,6 @@ class LocalDataset(IndexedDataset):
         return (open_dataset, (self.source, self._config))
 
 
-def drop_page_cache(path: str | os.PathLike) -> None:
-    """Write back and evict a file from the page cache, so the next read comes from the storage (dirty pages
-    cannot be dropped, hence the fdatasync first). Used for cold-read measurements.
-
-    Example: drop_page_cache("out/corpus_text_document.bin")
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _logical_block_size(path: str | os.PathLike) -> int:
     """The O_DIRECT alignment of the device holding `path`: its logical block size from sysfs, else 4096."""
     dev = os.stat(path).st_dev

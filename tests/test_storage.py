@@ -18,13 +18,13 @@ import pytest
 
 from corpusforge.data import build_gpt_datasets
 from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter
+from corpusforge.pagecache import drop_page_cache
 from corpusforge.storage import (
     READ_MODES,
     LocalCache,
     LocalDataset,
     RemoteDataset,
     StorageConfig,
-    drop_page_cache,
     open_dataset,
 )
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge.iobench.config import BenchConfig
-from corpusforge.storage import drop_page_cache
+from corpusforge.pagecache import drop_page_cache
 
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks
 FILL_CHUNK = 1 << 20  # bytes per write when preparing read files
