@@ -9,6 +9,8 @@ import pickle
 import random
 import shutil
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -179,6 +181,48 @@ def test_lone_surrogates_become_replacement_char(spec):
     for engine in ("gigatoken", "reference"):
         tok = load_tokenizer(spec, engine=engine)
         assert _split(*tok.encode_batch(texts)) == _split(*tok.encode_batch(want))
+
+
+# The engine in a worker process hands back its buffers without importing awkward (corpusforge/_flat_rows.py).
+# Run in a fresh interpreter: this one has long imported awkward, which switches the stand-in off.
+_FRESH_ENCODE = """
+import json, sys
+import numpy as np
+from corpusforge import _flat_rows
+from corpusforge.tokenizers import load_tokenizer
+spec, texts_file, out_file, mode = sys.argv[1:]
+texts = json.load(open(texts_file))
+tok = load_tokenizer(spec, engine="gigatoken", threads=False)
+if mode == "newer-gigatoken":  # a call that asks the stand-in for more than unflatten
+    assert _flat_rows.flat_rows(lambda: __import__("awkward").from_iter([[1]])) is None
+    assert not _flat_rows.usable() and "awkward" not in sys.modules
+ids, lengths = tok.encode_batch(texts)
+ids2, lengths2 = tok.encode_batch(texts[:3])  # again: gigatoken imports "awkward" afresh on every call
+np.savez(out_file, ids=ids, lengths=lengths, ids2=ids2, lengths2=lengths2)
+print(json.dumps({"awkward_imported": "awkward" in sys.modules, "usable": _flat_rows.usable()}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["stand-in", "newer-gigatoken"])
+def test_worker_encode_without_awkward(spec, corpus, tmp_path, mode):
+    texts = VARIED + _random_texts(200) + corpus[:30] + ["a\ud800b", "", "x" * 100_000]
+    texts_file, out_file = tmp_path / "texts.json", tmp_path / "out.npz"
+    texts_file.write_text(json.dumps(texts))
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_ENCODE, spec, str(texts_file), str(out_file), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the stand-in never stays behind; after a failed call the real awkward does the work
+    assert report == {"awkward_imported": mode == "newer-gigatoken", "usable": mode == "stand-in"}
+    got = np.load(out_file)
+    assert got["ids"].dtype == np.uint32 and got["lengths"].dtype == np.int64
+    want = load_tokenizer(spec, engine="reference").encode_batch(texts)
+    assert _split(got["ids"], got["lengths"]) == _split(*want)
+    assert _split(got["ids2"], got["lengths2"]) == _split(*want)[:3]
 
 
 def test_encode_batch_shapes(spec):
