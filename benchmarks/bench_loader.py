@@ -8,14 +8,19 @@ once under benchmarks/work/loader/ and reused. Then, for both implementations:
 
   build    train/valid/test indices with split 969,30,1 and one epoch of train samples, each into an emptied
            cache directory (megatron-core: BlendedMegatronDatasetBuilder with its compiled helpers_cpp, which
-           always writes its .npy caches; corpusforge: build_gpt_datasets with cache_dir, and without);
-           seconds, best of --repeats.
+           always writes its .npy caches, without fsync; corpusforge: build_gpt_datasets with cache_dir, which
+           returns while a background thread writes, fsyncs and completes the caches, and without cache_dir);
+           seconds until the datasets are returned, best and median of --build-repeats interleaved rounds (each
+           cache directory emptied outside the timing); for corpusforge also the seconds until its caches are
+           durable and complete (wait_for_index_caches).
   warm     the .bin read into the page cache first; samples/s over the first --samples samples of train (shuffled
            order), one process (megatron: ds[i] per sample; corpusforge: __getitems__ of micro-batches of 8, torch
            int32 tensors) and through a torch DataLoader with 2 workers (batch 8).
   cold     the .bin evicted (posix_fadvise DONTNEED) before each run; --cold-samples samples; bytes read from the
            block device by this process and its reaped workers (getrusage ru_inblock, 512-byte units), against
-           the bytes of the samples read (samples * (seq_length + 1) * itemsize). corpusforge in each read mode.
+           the bytes of the samples read (samples * (seq_length + 1) * itemsize). corpusforge in each read mode,
+           and in the default "auto" twice: as it decides on this machine, and with auto_direct_above_bytes=0, as
+           it decides for a .bin larger than the page cache (the row records the mode chosen and why).
   memory   bytes of the document, sample and shuffle index at this size (measured) and at 1e12 tokens (formula).
 
 Prints a table; writes everything, with the machine, versions and git commit, as JSON.
@@ -45,6 +50,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from corpusforge.data import StorageConfig, build_gpt_datasets, make_loader  # noqa: E402
+from corpusforge.data.cache import wait_for_index_caches  # noqa: E402
 from corpusforge.indexed import IndexedDatasetWriter  # noqa: E402
 from corpusforge.pagecache import drop_page_cache  # noqa: E402
 
@@ -120,11 +126,15 @@ def megatron_build(prefix: str, seq_length: int, sizes: list[int], cache: Path):
 
 
 def ours_build(
-    prefix: str, seq_length: int, sizes: list[int], read_mode: str = "mmap-random", cache: Path | None = None
+    prefix: str,
+    seq_length: int,
+    sizes: list[int],
+    read_mode: str = "auto",
+    cache: Path | None = None,
+    auto_direct_above_bytes: int | None = None,
 ):
-    return build_gpt_datasets(
-        prefix, seq_length, SPLIT, SEED, sizes, cache, StorageConfig(read_mode=read_mode), eod_token_id=EOD
-    )
+    storage = StorageConfig(read_mode=read_mode, auto_direct_above_bytes=auto_direct_above_bytes)
+    return build_gpt_datasets(prefix, seq_length, SPLIT, SEED, sizes, cache, storage, eod_token_id=EOD)
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:
@@ -260,10 +270,12 @@ def run_reads(spec: dict) -> dict:
 
     torch.distributed.get_rank = lambda *a, **k: 0
     caches = Path(spec["caches"])
+    chosen = {}
     if spec["impl"] == "megatron":
         ds = megatron_build(spec["prefix"], spec["seq"], spec["sizes"], caches / "m")[0]
     else:
-        ds = ours_build(spec["prefix"], spec["seq"], spec["sizes"], spec["mode"], caches / "o")[0]
+        ds = ours_build(spec["prefix"], spec["seq"], spec["sizes"], spec["mode"], caches / "o", spec.get("budget"))[0]
+        chosen = {"read_mode": ds.indexed.read_mode, "why": ds.indexed.read_mode_reason}
     ours = spec["impl"] == "corpusforge"
     read_single(ds, 64, ours)  # first-call costs (numba loading, torch imports) are not throughput
     if spec["how"] == "single":
@@ -273,8 +285,8 @@ def run_reads(spec: dict) -> dict:
     bin_path = spec["prefix"] + ".bin"
     if spec["temp"] == "warm":
         warm(bin_path)
-        return measure(run, spec["n"], spec["sample_bytes"], None, spec["repeats"])
-    return measure(run, spec["n"], spec["sample_bytes"], bin_path)
+        return {**measure(run, spec["n"], spec["sample_bytes"], None, spec["repeats"]), **chosen}
+    return {**measure(run, spec["n"], spec["sample_bytes"], bin_path), **chosen}
 
 
 def main() -> None:
@@ -288,6 +300,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16000, help="samples per warm throughput run")
     ap.add_argument("--cold-samples", type=int, default=2000, help="samples per cold run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--build-repeats", type=int, default=15, help="interleaved rounds of the (~0.1 s) index builds")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "loader")
     ap.add_argument("--out", type=Path, default=HERE / "results" / f"loader-{dt.date.today().isoformat()}.json")
     args = ap.parse_args()
@@ -320,13 +333,20 @@ def main() -> None:
     ours_build(prefix_s, seq, sizes)  # numba compiles, or loads its cached machine code: once per process
     first_call_s = time.perf_counter() - t0
     # Builds take ~0.1 s: interleave and repeat them more than the reads, so that a busy neighbour hurts both.
-    m_build = o_build = o_build_mem = float("inf")
-    for _ in range(2 * args.repeats + 1):
-        t, m_sets = best_time(lambda: megatron_build(prefix_s, seq, sizes, fresh(caches / "m")), 1)
-        m_build = min(m_build, t)
-        t, o_sets = best_time(lambda: ours_build(prefix_s, seq, sizes, cache=fresh(caches / "o")), 1)
-        o_build = min(o_build, t)
-        o_build_mem = min(o_build_mem, best_time(lambda: ours_build(prefix_s, seq, sizes), 1)[0])
+    times: dict[str, list[float]] = {"megatron": [], "corpusforge": [], "durable": [], "memory": []}
+    for _ in range(args.build_repeats):
+        fresh(caches / "m")
+        t, m_sets = best_time(lambda: megatron_build(prefix_s, seq, sizes, caches / "m"), 1)
+        times["megatron"].append(t)
+        fresh(caches / "o")
+        t0 = time.perf_counter()
+        o_sets = ours_build(prefix_s, seq, sizes, cache=caches / "o")
+        t1 = time.perf_counter()
+        wait_for_index_caches()  # outside the next timings: its fsyncs would slow whichever build comes next
+        times["corpusforge"].append(t1 - t0)
+        times["durable"].append(time.perf_counter() - t0)
+        times["memory"].append(best_time(lambda: ours_build(prefix_s, seq, sizes), 1)[0])
+    m_build, o_build, o_durable, o_build_mem = (min(times[k]) for k in ("megatron", "corpusforge", "durable", "memory"))
     m_train, o_train = m_sets[0], o_sets[0]
     check = o_train.get_batch([0, 1, 2, len(o_train) - 1])["tokens"]
     for row, i in enumerate([0, 1, 2, len(o_train) - 1]):  # same samples, or the comparison means nothing
@@ -334,8 +354,11 @@ def main() -> None:
     report["build_s"] = {
         "megatron": round(m_build, 3),
         "corpusforge": round(o_build, 3),
+        "corpusforge_until_caches_durable": round(o_durable, 3),
         "corpusforge_no_cache_files": round(o_build_mem, 3),
         "corpusforge_first_build_in_process": round(first_call_s, 3),
+        "median": {k: round(float(np.median(v)), 3) for k, v in times.items()},
+        "rounds": args.build_repeats,
     }
 
     # memory
@@ -349,24 +372,27 @@ def main() -> None:
     n, nc = min(args.samples, len(o_train)), min(args.cold_samples, len(o_train))
     del m_sets, o_sets, m_train, o_train, check  # unmap: pages mapped here could not be evicted for the cold runs
     gc.collect()
-    plan = [  # (label, implementation, read mode, single or loader, warm or cold, samples); mmap-random: the default
-        ("warm megatron ds[i]", "megatron", "mmap", "single", "warm", n),
-        ("warm corpusforge batch (mmap-random)", "corpusforge", "mmap-random", "single", "warm", n),
-        ("warm corpusforge batch (pread)", "corpusforge", "pread", "single", "warm", n),
-        ("warm megatron DataLoader(2)", "megatron", "mmap", "loader", "warm", n),
-        ("warm corpusforge loader(2) (mmap-random)", "corpusforge", "mmap-random", "loader", "warm", n),
-        ("cold megatron ds[i] (mmap)", "megatron", "mmap", "single", "cold", nc),
-        ("cold corpusforge batch (mmap-random)", "corpusforge", "mmap-random", "single", "cold", nc),
-        ("cold corpusforge batch (pread)", "corpusforge", "pread", "single", "cold", nc),
-        ("cold corpusforge batch (direct)", "corpusforge", "direct", "single", "cold", nc),
-        ("cold corpusforge batch (mmap)", "corpusforge", "mmap", "single", "cold", nc),
-        ("cold megatron DataLoader(2)", "megatron", "mmap", "loader", "cold", nc),
-        ("cold corpusforge loader(2) (mmap-random)", "corpusforge", "mmap-random", "loader", "cold", nc),
-        ("cold corpusforge loader(2) (direct)", "corpusforge", "direct", "loader", "cold", nc),
+    plan = [  # (label, implementation, read mode, single or loader, warm or cold, samples, auto's budget override)
+        ("warm megatron ds[i]", "megatron", "mmap", "single", "warm", n, None),
+        ("warm corpusforge batch (auto, default)", "corpusforge", "auto", "single", "warm", n, None),
+        ("warm corpusforge batch (pread)", "corpusforge", "pread", "single", "warm", n, None),
+        ("warm megatron DataLoader(2)", "megatron", "mmap", "loader", "warm", n, None),
+        ("warm corpusforge loader(2) (auto, default)", "corpusforge", "auto", "loader", "warm", n, None),
+        ("cold megatron ds[i] (mmap)", "megatron", "mmap", "single", "cold", nc, None),
+        ("cold corpusforge batch (auto, default)", "corpusforge", "auto", "single", "cold", nc, None),
+        ("cold corpusforge batch (auto, .bin > budget)", "corpusforge", "auto", "single", "cold", nc, 0),
+        ("cold corpusforge batch (mmap-random)", "corpusforge", "mmap-random", "single", "cold", nc, None),
+        ("cold corpusforge batch (pread)", "corpusforge", "pread", "single", "cold", nc, None),
+        ("cold corpusforge batch (direct)", "corpusforge", "direct", "single", "cold", nc, None),
+        ("cold corpusforge batch (mmap)", "corpusforge", "mmap", "single", "cold", nc, None),
+        ("cold megatron DataLoader(2)", "megatron", "mmap", "loader", "cold", nc, None),
+        ("cold corpusforge loader(2) (auto, default)", "corpusforge", "auto", "loader", "cold", nc, None),
+        ("cold corpusforge loader(2) (auto, .bin > budget)", "corpusforge", "auto", "loader", "cold", nc, 0),
     ]
     runs: dict = {}
-    for label, impl, mode, how, temp, count in plan:
+    for label, impl, mode, how, temp, count, budget in plan:
         spec = {
+            "budget": budget,
             "prefix": prefix_s,
             "seq": seq,
             "sizes": sizes,
@@ -384,7 +410,7 @@ def main() -> None:
         if done.returncode != 0:
             raise RuntimeError(f"{label}: {done.stderr[-3000:]}")
         runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{label:40} {json.dumps(runs[label])}", flush=True)
+        print(f"{label:48} {json.dumps(runs[label])}", flush=True)
     report["runs"] = runs
 
     def ratio(a: str, b: str) -> float:
@@ -392,14 +418,19 @@ def main() -> None:
 
     report["ratios"] = {
         "build megatron/corpusforge": round(m_build / o_build, 2),
-        "warm single corpusforge/megatron": ratio("warm corpusforge batch (mmap-random)", "warm megatron ds[i]"),
+        "warm single corpusforge/megatron": ratio("warm corpusforge batch (auto, default)", "warm megatron ds[i]"),
         "warm single corpusforge pread/megatron": ratio("warm corpusforge batch (pread)", "warm megatron ds[i]"),
         "warm loader(2) corpusforge/megatron": ratio(
-            "warm corpusforge loader(2) (mmap-random)", "warm megatron DataLoader(2)"
+            "warm corpusforge loader(2) (auto, default)", "warm megatron DataLoader(2)"
         ),
-        "cold single corpusforge/megatron": ratio("cold corpusforge batch (mmap-random)", "cold megatron ds[i] (mmap)"),
-        "cold loader(2) corpusforge direct/megatron": ratio(
-            "cold corpusforge loader(2) (direct)", "cold megatron DataLoader(2)"
+        "cold single corpusforge/megatron": ratio(
+            "cold corpusforge batch (auto, default)", "cold megatron ds[i] (mmap)"
+        ),
+        "cold single corpusforge auto > budget/megatron": ratio(
+            "cold corpusforge batch (auto, .bin > budget)", "cold megatron ds[i] (mmap)"
+        ),
+        "cold loader(2) corpusforge auto > budget/megatron": ratio(
+            "cold corpusforge loader(2) (auto, .bin > budget)", "cold megatron DataLoader(2)"
         ),
     }
     print_table(report)
@@ -418,13 +449,17 @@ def print_table(report: dict) -> None:
     b = report["build_s"]
     print(
         f"\nindex build, caches written (s): megatron-core {b['megatron']:.3f}   corpusforge {b['corpusforge']:.3f}"
-        f"   (corpusforge in memory only: {b['corpusforge_no_cache_files']:.3f})"
+        f"   (until its caches are durable: {b['corpusforge_until_caches_durable']:.3f}; in memory only: "
+        f"{b['corpusforge_no_cache_files']:.3f}); best of {b['rounds']}, medians {json.dumps(b['median'])}"
     )
-    print(f"\n{'run':42} {'samples':>8} {'samples/s':>10} {'read MB':>9} {'amplif.':>8}")
+    print(f"\n{'run':48} {'samples':>8} {'samples/s':>10} {'read MB':>9} {'amplif.':>8}  mode")
     for name, r in report["runs"].items():
         mb = f"{r['bytes_read'] / 1e6:9.1f}" if "bytes_read" in r else " " * 9
-        amp = f"{r['read_amplification']:8.2f}" if "read_amplification" in r else ""
-        print(f"{name:42} {r['samples']:8d} {r['samples_per_s']:10.1f} {mb} {amp}")
+        amp = f"{r['read_amplification']:8.2f}" if "read_amplification" in r else " " * 8
+        print(f"{name:48} {r['samples']:8d} {r['samples_per_s']:10.1f} {mb} {amp}  {r.get('read_mode', '')}")
+    for name, r in report["runs"].items():
+        if "(auto" in name:
+            print(f"  {name}: {r['why']}")
     print("\nratios:", json.dumps(report["ratios"]))
     mem = report["index_bytes"]
     print("\nindex bytes measured:", json.dumps(mem["measured"]))

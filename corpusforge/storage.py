@@ -5,9 +5,14 @@
 method the loaders call, `read_spans(starts, lengths)`: the tokens of many [start, start + length) ranges, back
 to back, in one call. Three readers:
 
-- `LocalDataset`, a path on a mounted file system (local disk, Lustre, CephFS). `read_mode="mmap-random"`
-  (default) copies each span from the memory map, mapped with madvise(MADV_RANDOM) so that a cold read costs the
-  pages it touches and no read-ahead. `"pread"` reads each span with os.preadv, with posix_fadvise(RANDOM): the
+- `LocalDataset`, a path on a mounted file system (local disk, Lustre, CephFS). `read_mode="auto"` (default)
+  picks one of the modes below when the dataset is opened, and says which and why (`read_mode_reason`, repr):
+  "mmap-random" when the .bin fits comfortably in the page cache (at most half of what this process's memory can
+  hold: min(MemAvailable, cgroup limit)), since a file that stays cached is read from RAM at memcpy speed;
+  "direct" when it does not, since every cold read then goes to the disk and whole 4 KiB pages per document piece
+  cost ~4x the sample bytes; "pread" where the file system refuses O_DIRECT (ramfs, some FUSE and NFS mounts).
+  `"mmap-random"` copies each span from the memory map, mapped with madvise(MADV_RANDOM) so that a cold read costs
+  the pages it touches and no read-ahead. `"pread"` reads each span with os.preadv, with posix_fadvise(RANDOM): the
   same pages, a system call per span (slower from the page cache; no mapping). `"direct"` reads with O_DIRECT in
   units of the device's logical block (512 B here) and never fills the page cache: for corpora larger than RAM,
   where each short document piece of a sample would otherwise cost whole 4 KiB pages (about 4x the sample bytes
@@ -23,6 +28,7 @@ to back, in one call. Three readers:
       {key}/{name}.bin, {key}/{name}.idx   a complete, verified copy (key = sha256 of the source location)[:16]
       {key}/meta.json                      source, sizes, sha256 of both files, written before the rename
       {key}.lock                           flock held while copying or evicting that entry
+      {key}.readers                        shared flock of every process reading that entry (no eviction then)
       .{key}.partial-{pid}/                a copy in progress; never read; removed by the next lock holder
       {key}.used                           its mtime is the entry's last use (LRU eviction)
 
@@ -40,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -51,6 +58,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -67,26 +75,44 @@ from corpusforge.indexed import (
     fsync_dir,
 )
 
-READ_MODES = ("pread", "direct", "mmap", "mmap-random")
+READ_MODES = ("auto", "pread", "direct", "mmap", "mmap-random")
 MiB = 1 << 20
+GiB = 1 << 30
+
+# read_mode "auto": a .bin up to this fraction of the memory the page cache can use is read through the memory map.
+# Half, because the page cache also holds the other datasets of a blend, checkpoints being written and the
+# training process's own files, and a file that only just fits is evicted piecemeal and read again (~4x each time).
+AUTO_PAGE_CACHE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
 class StorageConfig:
     """How token datasets are opened and read (the loaders take one; all fields have working defaults)."""
 
-    read_mode: str = "mmap-random"
-    """Local reads: "mmap-random" (memory map with madvise(MADV_RANDOM): no read-ahead, so a cold read costs the
-    pages a sample touches; from the page cache a compiled memcpy per span, no system call), "pread" (os.preadv per
-    span, read-ahead off: the same pages, one system call each), "direct" (O_DIRECT reads aligned to the device's
-    logical block, bypassing the page cache: the least disk traffic on a corpus larger than RAM), "mmap" (memory
-    map with the kernel's read-ahead: megabytes per fault on random access; for comparison)."""
+    read_mode: str = "auto"
+    """Local reads: "auto" (chosen per dataset when it is opened: "mmap-random" when the .bin fits in half of the
+    memory the page cache can use, else "direct", else "pread" where O_DIRECT is refused), "mmap-random" (memory
+    map with madvise(MADV_RANDOM): no read-ahead, so a cold read costs the pages a sample touches; from the page
+    cache a compiled memcpy per span, no system call), "pread" (os.preadv per span, read-ahead off: the same pages,
+    one system call each), "direct" (O_DIRECT reads aligned to the device's logical block, bypassing the page cache:
+    the least disk traffic on a corpus larger than RAM), "mmap" (memory map with the kernel's read-ahead: megabytes
+    per fault on random access; for comparison)."""
 
     block_size: int = 256 * MiB
     """Remote .bin reads: bytes per ranged request (Megatron-Core's S3 reader reads 256 MiB blocks)."""
 
     cache_blocks: int = 2
     """Remote .bin reads: blocks kept in memory per dataset (LRU), so block_size * cache_blocks bytes at most."""
+
+    prefetch_blocks: int = 1
+    """Remote .bin reads: blocks fetched ahead on background threads for the samples the loader asks for next, so
+    that a step does not wait on a GET; per dataset and process, memory is block_size * (cache_blocks +
+    prefetch_blocks) at most. 0: no prefetching."""
+
+    auto_direct_above_bytes: int | None = None
+    """read_mode "auto": a .bin larger than this is read with O_DIRECT (pread where refused), a smaller one through
+    the memory map; None: AUTO_PAGE_CACHE_FRACTION (1/2) of min(MemAvailable, the cgroup's memory limit), read when
+    the dataset is opened."""
 
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     """fsspec options of remote URLs, e.g. {"endpoint_url": "http://host:7480", "key": ..., "secret": ...}; for
@@ -104,6 +130,12 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.read_mode not in READ_MODES:
             raise ValueError(f"read_mode {self.read_mode!r}: choose one of {READ_MODES}")
+        if self.local_cache_max_bytes is not None and self.local_cache_max_bytes < 1:
+            raise ValueError(f"local_cache_max_bytes must be positive or None ({self.local_cache_max_bytes})")
+        if self.auto_direct_above_bytes is not None and self.auto_direct_above_bytes < 0:
+            raise ValueError(f"auto_direct_above_bytes must not be negative ({self.auto_direct_above_bytes})")
+        if self.prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must not be negative ({self.prefetch_blocks})")
         if self.block_size < 1 or self.cache_blocks < 1:
             raise ValueError(f"block_size and cache_blocks must be positive ({self.block_size}, {self.cache_blocks})")
 
@@ -132,9 +164,8 @@ def open_dataset(prefix: str | os.PathLike, config: StorageConfig | None = None)
         text = text[len("file://") :]
     if config.local_cache_dir is not None:
         cache = LocalCache(config.local_cache_dir, config.local_cache_max_bytes, config.storage_options)
-        return LocalDataset(
-            cache.fetch(text, verify_sha256=config.verify_sha256), config.read_mode, source=text, config=config
-        )
+        path, pin = cache.fetch_pinned(text, verify_sha256=config.verify_sha256)
+        return LocalDataset(path, config.read_mode, source=text, config=config, pin=pin)
     if is_url(text):
         return RemoteDataset(text, config)
     missing = [p for p in (f"{text}.idx", f"{text}.bin") if not os.path.isfile(p)]
@@ -151,31 +182,40 @@ def open_dataset(prefix: str | os.PathLike, config: StorageConfig | None = None)
 
 
 class LocalDataset(IndexedDataset):
-    """A token dataset on a mounted file system, read through its memory map (default) or with pread / O_DIRECT.
+    """A token dataset on a mounted file system, read through its memory map or with pread / O_DIRECT.
+
+    `read_mode` is the mode in use ("auto" resolved when opened), `read_mode_reason` why ("configured" when given).
 
     Example:
         >>> ds = LocalDataset("out/a_text_document", read_mode="pread")
         >>> ds.read_spans(np.array([0, 10]), np.array([2, 2]))      # tokens 0, 1, 10, 11
+        >>> LocalDataset("/lustre/big_text_document").read_mode_reason
+        'auto: the .bin (812.00 GiB) exceeds the page-cache budget (245.10 GiB, ...): O_DIRECT reads of ...'
     """
 
     def __init__(
         self,
         prefix: str | os.PathLike,
-        read_mode: str = "mmap-random",
+        read_mode: str = "auto",
         source: str | None = None,
         config: StorageConfig | None = None,
+        pin: ReaderPin | None = None,
     ) -> None:
+        self.pin = pin  # a local cache entry's: no eviction while this dataset (or a fork of it) is open
         super().__init__(prefix)
         if read_mode not in READ_MODES:
             raise ValueError(f"read_mode {read_mode!r}: choose one of {READ_MODES}")
-        self.read_mode = read_mode
         self.source = source or self.prefix  # what the user named (a URL when read through the local cache)
         self._config = config or StorageConfig(read_mode=read_mode)
+        if read_mode == "auto":
+            self.read_mode, self.read_mode_reason = choose_read_mode(self.bin_path, self._config)
+        else:
+            self.read_mode, self.read_mode_reason = read_mode, "configured"
         self._fd: int | None = None
         self._fd_pid = -1
-        if read_mode == "mmap-random" and isinstance(self._bin, np.memmap):
+        if self.read_mode == "mmap-random" and isinstance(self._bin, np.memmap):
             self._bin._mmap.madvise(mmap.MADV_RANDOM)  # fault in one page at a time: no read-ahead
-        if read_mode in ("mmap", "mmap-random"):  # compile before DataLoader workers fork (they inherit it)
+        if self.read_mode in ("mmap", "mmap-random"):  # compile before DataLoader workers fork (they inherit it)
             self.read_spans(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def _file(self) -> int:
@@ -238,11 +278,120 @@ class LocalDataset(IndexedDataset):
         if self._fd is not None and self._fd_pid == os.getpid():
             os.close(self._fd)
         self._fd = None
+        if self.pin is not None:
+            self.pin.close()
         super().close()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled for spawn/forkserver DataLoader workers: reopen by name instead of copying the memory map.
-        return (open_dataset, (self.source, self._config))
+        # Pickled for spawn/forkserver DataLoader workers: reopen by name instead of copying the memory map, in the
+        # mode chosen here (a worker re-running "auto" could see another MemAvailable and choose otherwise).
+        return (open_dataset, (self.source, replace(self._config, read_mode=self.read_mode)))
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalDataset({self.prefix!r}, sequences={len(self)}, dtype={self.dtype}, "
+            f"read_mode={self.read_mode!r} ({self.read_mode_reason}))"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# read_mode "auto"
+
+
+def choose_read_mode(bin_path: str | os.PathLike, config: StorageConfig) -> tuple[str, str]:
+    """The read mode "auto" resolves to for this .bin, and why (one line, for reprs and run summaries).
+
+    Example:
+        >>> choose_read_mode("out/a_text_document.bin", StorageConfig())
+        ('mmap-random', 'auto: the .bin (0.00 GiB) fits the page-cache budget (11.2 GiB, half of ...): ...')
+    """
+    size = os.path.getsize(bin_path)
+    if config.auto_direct_above_bytes is not None:
+        budget, source = config.auto_direct_above_bytes, "auto_direct_above_bytes"
+    else:
+        memory, source = page_cache_memory()
+        budget = int(AUTO_PAGE_CACHE_FRACTION * memory)
+        source = f"half of {source} {memory / GiB:.1f} GiB"
+    sizes = f"the .bin ({size / GiB:.2f} GiB)"
+    if size <= budget:
+        return "mmap-random", f"auto: {sizes} fits the page-cache budget ({budget / GiB:.2f} GiB, {source}): " + (
+            "memory map, warm reads from RAM"
+        )
+    over = f"auto: {sizes} exceeds the page-cache budget ({budget / GiB:.2f} GiB, {source})"
+    refused = o_direct_refused(bin_path)
+    if refused is None:
+        return "direct", f"{over}: O_DIRECT reads of the sample bytes, no page-cache thrashing"
+    return "pread", f"{over}, but O_DIRECT is refused here ({refused}): pread with read-ahead off (whole pages)"
+
+
+def page_cache_memory() -> tuple[int, str]:
+    """Bytes the page cache can hold for this process, and where the number comes from: MemAvailable, or the
+    memory limit of its cgroup (v2 memory.max, v1 memory.limit_in_bytes) when that is smaller.
+
+    Example:
+        >>> page_cache_memory()
+        (24006541312, 'MemAvailable')
+    """
+    available = _meminfo("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_memory_limit()
+    if limit is not None and limit < available:
+        return limit, "the cgroup memory limit"
+    return available, "MemAvailable"
+
+
+def _meminfo(field_name: str) -> int | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field_name}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup in bytes; None when there is none (or no cgroup file system)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2: "0::/path"
+                candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+            elif "memory" in controllers.split(","):
+                candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+            else:
+                continue
+            for candidate in candidates:
+                with contextlib.suppress(OSError, ValueError):
+                    text = Path(candidate).read_text().strip()
+                    if text != "max" and int(text) < 1 << 60:  # v1 writes "no limit" as ~2^63
+                        return int(text)
+    return None
+
+
+def o_direct_refused(path: str | os.PathLike) -> str | None:
+    """Why O_DIRECT reads of `path` fail (an errno name and message), or None when they work.
+
+    Opens and reads one aligned block: some file systems refuse the open (ramfs, FUSE without direct I/O: EINVAL),
+    others only the read.
+
+    Example:
+        >>> o_direct_refused("/data/corpus_text_document.bin") is None
+        True
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+    try:
+        align = _logical_block_size(path)
+        buffer = mmap.mmap(-1, max(align, mmap.PAGESIZE))
+        try:
+            os.preadv(fd, [memoryview(buffer)[:align]], 0)
+        except OSError as e:
+            return f"{errno.errorcode.get(e.errno, e.errno)} on read: {e.strerror}"
+        finally:
+            buffer.close()
+    finally:
+        os.close(fd)
+    return None
 
 
 def _logical_block_size(path: str | os.PathLike) -> int:
@@ -330,27 +479,45 @@ def parse_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
 
 
 class BlockCache:
-    """An LRU of fixed-size blocks of one remote file, each fetched with one ranged GET.
+    """An LRU of fixed-size blocks of one remote file, each fetched with one ranged GET, and blocks fetched ahead.
 
-    `requests` and `bytes_fetched` count what went over the network (the tests assert on them).
+    `prefetch(blocks)` starts background GETs (threads of this process) for blocks that reads will want soon, at
+    most `prefetch_blocks` fetched-ahead blocks held or in flight; a read takes its block from there (waiting for
+    it if its GET is still running) instead of issuing a GET itself. Memory: at most
+    (max_blocks + prefetch_blocks) * block_size.
+
+    Counters (the tests assert on them): `requests` and `bytes_fetched`, what went over the network;
+    `read_requests`, GETs that a read issued itself; `prefetch_requests`; `waits`, reads that waited on the network
+    (their own GET or a prefetch still in flight); `peak_blocks`, the most blocks held or in flight at once.
 
     Example:
-        >>> blocks = BlockCache(lambda lo, hi: fs.cat_file(path, lo, hi), size=10 << 30, block_size=256 << 20)
-        >>> blocks.read(1000, 64)   # 64 bytes from offset 1000: fetches block 0 (256 MiB) once
+        >>> blocks = BlockCache(lambda lo, hi: fs.cat_file(path, lo, hi), size=10 << 30, block_size=256 << 20,
+        ...                     max_blocks=2, prefetch_blocks=2)
+        >>> blocks.prefetch([7, 3])    # GETs of blocks 7 and 3 start in the background
+        >>> blocks.read_into(memoryview(bytearray(64)), 7 * (256 << 20))   # block 7, without a GET of its own
     """
 
-    def __init__(self, fetch, size: int, block_size: int, max_blocks: int) -> None:
+    def __init__(self, fetch, size: int, block_size: int, max_blocks: int, prefetch_blocks: int = 0) -> None:
         self.fetch, self.size, self.block_size, self.max_blocks = fetch, size, block_size, max_blocks
-        self.blocks: OrderedDict[int, bytes] = OrderedDict()
-        self.requests = self.bytes_fetched = 0
+        self.prefetch_blocks = prefetch_blocks
+        self.blocks: OrderedDict[int, bytes] = OrderedDict()  # read recently (LRU)
+        self.ahead: dict[int, bytes] = {}  # fetched ahead, not read yet
+        self.in_flight: dict[int, Future] = {}
+        self.requests = self.bytes_fetched = self.read_requests = self.prefetch_requests = 0
+        self.waits = self.peak_blocks = 0
         self._lock = threading.Lock()  # torch DataLoader pin-memory threads may read concurrently
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
 
-    def _block(self, b: int) -> bytes:
-        with self._lock:
-            data = self.blocks.get(b)
-            if data is not None:
-                self.blocks.move_to_end(b)
-                return data
+    def _forked(self) -> None:
+        """In a process forked from the one that made us (a DataLoader worker): the parent's prefetch threads are
+        not here, and the lock may have been copied while one of them held it. Start over with the blocks."""
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()
+            self._pool, self._pid = None, os.getpid()
+            self.in_flight = {}
+
+    def _get(self, b: int) -> bytes:
         lo = b * self.block_size
         hi = min(lo + self.block_size, self.size)
         data = bytes(self.fetch(lo, hi))
@@ -359,10 +526,105 @@ class BlockCache:
         with self._lock:
             self.requests += 1
             self.bytes_fetched += len(data)
-            self.blocks[b] = data
-            while len(self.blocks) > self.max_blocks:
-                self.blocks.popitem(last=False)
         return data
+
+    def _keep(self, b: int, data: bytes) -> None:
+        """Put a block that is being read into the LRU (lock held)."""
+        self.blocks[b] = data
+        self.blocks.move_to_end(b)
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+    def _take(self, b: int) -> bytes | None:
+        """Block b from the LRU or from the fetched-ahead blocks (lock held)."""
+        data = self.blocks.get(b)
+        if data is not None:
+            self.blocks.move_to_end(b)
+            return data
+        data = self.ahead.pop(b, None)
+        if data is not None:
+            self._keep(b, data)
+        return data
+
+    def _block(self, b: int) -> bytes:
+        self._forked()
+        with self._lock:
+            data = self._take(b)
+            future = self.in_flight.get(b) if data is None else None
+            if data is None:
+                self.waits += 1
+        if data is not None:
+            return data
+        if future is not None:
+            with contextlib.suppress(Exception):  # a failed prefetch: the read below tries again itself
+                future.result()
+            with self._lock:
+                data = self._take(b)
+            if data is not None:
+                return data
+        data = self._get(b)
+        with self._lock:
+            self.read_requests += 1
+            self._keep(b, data)
+        return data
+
+    def prefetch(self, blocks: list[int]) -> None:
+        """Fetch `blocks` (soonest needed first) in the background, as far as prefetch_blocks allows; fetched-ahead
+        blocks not among them are dropped (the reads that would have wanted them went elsewhere)."""
+        if self.prefetch_blocks < 1:
+            return
+        self._forked()
+        wanted = list(dict.fromkeys(int(b) for b in blocks))
+        with self._lock:
+            keep = set(wanted)
+            for stale in [b for b in self.ahead if b not in keep]:
+                del self.ahead[stale]
+            for b in wanted:
+                if len(self.ahead) + len(self.in_flight) >= self.prefetch_blocks:
+                    break
+                if b in self.ahead or b in self.in_flight:
+                    continue
+                if b in self.blocks:  # held where reads of other blocks could evict it first: keep it aside
+                    self.ahead[b] = self.blocks.pop(b)
+                    continue
+                self.in_flight[b] = self._executor().submit(self._fetch_ahead, b)
+            held = len(self.blocks) + len(self.ahead) + len(self.in_flight)
+            self.peak_blocks = max(self.peak_blocks, held)
+
+    def _fetch_ahead(self, b: int) -> None:
+        try:
+            data = self._get(b)
+        except BaseException:
+            with self._lock:
+                self.in_flight.pop(b, None)
+            raise
+        with self._lock:
+            self.in_flight.pop(b, None)
+            self.prefetch_requests += 1
+            if b not in self.blocks:
+                self.ahead[b] = data
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:  # a few GETs in parallel: one ranged GET rarely fills the link
+            self._pool = ThreadPoolExecutor(max(1, min(self.prefetch_blocks, 4)), thread_name_prefix="prefetch")
+        return self._pool
+
+    def blocks_of(self, starts: np.ndarray, nbytes: np.ndarray) -> list[int]:
+        """The blocks that byte ranges [starts[k], starts[k] + nbytes[k]) touch, in order of first use."""
+        out: dict[int, None] = {}
+        for lo, n in zip(starts.tolist(), nbytes.tolist()):
+            if n > 0:
+                out.update(dict.fromkeys(range(lo // self.block_size, (lo + n - 1) // self.block_size + 1)))
+        return list(out)
+
+    def close(self) -> None:
+        """Drop every block; prefetches in flight finish in the background and are dropped too."""
+        with self._lock:
+            self.blocks.clear()
+            self.ahead.clear()
+            self.prefetch_blocks = 0
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False)
 
     def read_into(self, out: memoryview, offset: int) -> None:
         """Fill `out` with the bytes at [offset, offset + len(out))."""
@@ -410,7 +672,9 @@ class RemoteDataset:
         if end != bin_size:
             raise IndexedFormatError(f"{url}: the index covers {end} bytes of tokens but the .bin has {bin_size}")
         self.bin_size = bin_size
-        self.blocks = BlockCache(self._fetch, bin_size, self.config.block_size, self.config.cache_blocks)
+        self.blocks = BlockCache(
+            self._fetch, bin_size, self.config.block_size, self.config.cache_blocks, self.config.prefetch_blocks
+        )
 
     def _filesystem(self) -> Any:
         # fsspec's async clients (s3fs/aiohttp) must not cross a fork: each process makes its own.
@@ -442,6 +706,12 @@ class RemoteDataset:
             pos += length
         return out
 
+    def prefetch_spans(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Start fetching the blocks that read_spans(starts, lengths) will need (token units), soonest first."""
+        itemsize = self.dtype.itemsize
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        self.blocks.prefetch(self.blocks.blocks_of(starts * itemsize, lengths * itemsize))
+
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """`length` tokens of sequence i from token `offset` (as IndexedDataset.get)."""
         n = int(self.sequence_lengths[i]) - offset if length is None else length
@@ -452,7 +722,7 @@ class RemoteDataset:
         return self.get(i)
 
     def close(self) -> None:
-        self.blocks.blocks.clear()
+        self.blocks.close()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RemoteDataset, (self.prefix, self.config))
@@ -486,7 +756,24 @@ class LocalCache:
         return hashlib.sha256(location.encode()).hexdigest()[:16]
 
     def fetch(self, source: str, verify_sha256: bool = False) -> str:
-        """The local prefix of a verified copy of `source`, copying it first if needed (one process per node)."""
+        """The local prefix of a verified copy of `source`, copying it first if needed (one process per node).
+
+        The copy may be evicted as soon as this returns; a reader that keeps using it takes `fetch_pinned`."""
+        path, pin = self.fetch_pinned(source, verify_sha256)
+        pin.close()
+        return path
+
+    def fetch_pinned(self, source: str, verify_sha256: bool = False) -> tuple[str, ReaderPin]:
+        """`fetch`, plus a pin that keeps the copy from eviction until it is closed (or garbage-collected).
+
+        The pin is a shared flock on `{key}.readers`, taken while the entry's lock is held, so no eviction can come
+        between the check that the copy is complete and the pin; forked processes (DataLoader workers) share it.
+
+        Example:
+            >>> path, pin = LocalCache("/nvme/cf-cache", 200 << 30).fetch_pinned("s3://corpora/web_text_document")
+            >>> ...                     # read path.bin / path.idx: no other process evicts them meanwhile
+            >>> pin.close()
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
         key, name = self.key(source), source.rstrip("/").rsplit("/", 1)[-1]
         final = self.directory / key
@@ -496,13 +783,18 @@ class LocalCache:
                 for stale in self.directory.glob(f".{key}.partial-*"):  # a killed copy: we hold the lock
                     shutil.rmtree(stale, ignore_errors=True)
                 if final.exists():  # a copy of an older version of the source
-                    shutil.rmtree(final)
+                    if not self._remove_unread(key):
+                        raise OSError(
+                            f"{source} changed since it was copied to {final}, and running processes still read "
+                            f"that copy; stop them first, or give this run another local_cache_dir"
+                        )
                 self._make_room(sum(sizes.values()), keep=key)
                 self._copy(source, key, name, sizes)
             elif verify_sha256:
                 self._verify_hashes(final, name)
             Path(self.directory / f"{key}.used").touch()
-        return str(final / name)
+            pin = ReaderPin(self.directory / f"{key}.readers")
+        return str(final / name), pin
 
     def _source_sizes(self, source: str) -> dict[str, int]:
         if is_url(source):
@@ -573,7 +865,7 @@ class LocalCache:
         return sorted(out)
 
     def _make_room(self, needed: int, keep: str) -> None:
-        """Evict least-recently-used entries until `needed` more bytes fit under the cap."""
+        """Evict least-recently-used entries that nobody reads until `needed` more bytes fit under the cap."""
         if self.max_bytes is None:
             return
         if needed > self.max_bytes:
@@ -583,23 +875,64 @@ class LocalCache:
             )
         entries = [e for e in self.entries() if e[1] != keep]
         used = sum(size for _, _, size in entries)
+        busy = []
         for _, key, size in entries:
             if used + needed <= self.max_bytes:
                 break
             if self._evict(key):
                 used -= size
+            else:
+                busy.append(key)
+        if used + needed > self.max_bytes:
+            raise OSError(
+                f"local cache {self.directory}: {needed} more bytes do not fit under its cap of {self.max_bytes}: "
+                f"entries {busy} are being read or copied by running processes and are not evicted; raise "
+                f"local_cache_max_bytes or wait for those processes to finish"
+            )
 
     def _evict(self, key: str) -> bool:
-        """Remove an entry unless another process holds its lock (copying it). Readers that have it open keep
-        reading: on POSIX an unlinked file lives until its last descriptor or mapping closes."""
+        """Remove an entry unless another process copies it (holds its lock) or reads it (holds a pin)."""
         with _flock(self.directory / f"{key}.lock", blocking=False) as held:
             if not held:
+                return False
+            if not self._remove_unread(key):
+                return False
+            (self.directory / f"{key}.used").unlink(missing_ok=True)
+            return True
+
+    def _remove_unread(self, key: str) -> bool:
+        """Remove entry `key` (its lock held by the caller) unless a reader pins it; whether it was removed."""
+        with _flock(self.directory / f"{key}.readers", blocking=False) as unread:
+            if not unread:
                 return False
             doomed = self.directory / f".{key}.evicted-{os.getpid()}"
             os.rename(self.directory / key, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
-            (self.directory / f"{key}.used").unlink(missing_ok=True)
             return True
+
+
+class ReaderPin:
+    """A shared flock on a cache entry's `{key}.readers` file: while any process holds one, the entry stays.
+
+    Closing it (or dropping it) closes the descriptor; the lock lasts while any copy of it is open, so a forked
+    DataLoader worker keeps the entry pinned after its parent closed the dataset.
+
+    Example:
+        >>> pin = ReaderPin(Path("/nvme/cf-cache/3f2a9c.readers")); pin.close()
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)  # evictors only ever try LOCK_EX | LOCK_NB: never blocks long
+
+    def close(self) -> None:
+        # No LOCK_UN: that would release the lock for forked copies of this descriptor too.
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @contextlib.contextmanager

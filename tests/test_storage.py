@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corpusforge.data import build_gpt_datasets
+from corpusforge.data import build_gpt_datasets, read_modes
 from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter
 from corpusforge.pagecache import drop_page_cache
 from corpusforge.storage import (
@@ -96,6 +96,79 @@ def test_cold_pread_reads_about_the_sample_bytes(tmp_path):
     assert read["mmap"] > 4 * read["pread"], read  # read-ahead around every fault
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# read_mode "auto"
+
+
+def test_auto_reads_a_file_that_fits_in_memory_through_the_map(corpus):
+    ds = open_dataset(corpus)  # the default StorageConfig: read_mode "auto"
+    assert StorageConfig().read_mode == "auto"
+    assert ds.read_mode == "mmap-random" and ds.read_mode_reason.startswith("auto: the .bin")
+    assert "fits the page-cache budget" in ds.read_mode_reason
+    assert "MemAvailable" in repr(ds) or "cgroup memory limit" in repr(ds)
+    train, _, _ = build_gpt_datasets(corpus, seq_length=64, split="1,0,0", seed=7, num_samples=(8, 0, 0))
+    assert "read_mode='mmap-random' (auto: " in repr(train)
+    assert read_modes(train)[corpus].startswith("mmap-random (auto: ")
+
+
+def test_auto_reads_a_file_larger_than_the_budget_with_o_direct(corpus):
+    config = StorageConfig(auto_direct_above_bytes=1024)  # this small file counts as larger than the page cache
+    ds = open_dataset(corpus, config)
+    assert ds.read_mode == "direct", ds.read_mode_reason
+    assert "exceeds the page-cache budget" in ds.read_mode_reason and "auto_direct_above_bytes" in repr(ds)
+    np.testing.assert_array_equal(samples(corpus, config), samples(corpus, StorageConfig(read_mode="mmap")))
+    import pickle
+
+    assert pickle.loads(pickle.dumps(ds)).read_mode == "direct"  # workers read in the mode chosen here
+    big = os.path.getsize(f"{corpus}.bin")
+    assert open_dataset(corpus, StorageConfig(auto_direct_above_bytes=big)).read_mode == "mmap-random"
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount: a file system that refuses O_DIRECT (tmpfs accepts it since Linux 6.6, so /dev/shm no longer
+    does)."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_auto_falls_back_to_pread_where_o_direct_is_refused(corpus, ramfs):
+    for ext in ("bin", "idx"):
+        shutil.copy(f"{corpus}.{ext}", ramfs / f"c_text_document.{ext}")
+    prefix = str(ramfs / "c_text_document")
+    with pytest.raises(OSError):
+        os.close(os.open(f"{prefix}.bin", os.O_RDONLY | os.O_DIRECT))  # the premise: this mount refuses it
+    config = StorageConfig(auto_direct_above_bytes=1024)
+    ds = open_dataset(prefix, config)
+    assert ds.read_mode == "pread" and "O_DIRECT is refused here (EINVAL" in ds.read_mode_reason
+    np.testing.assert_array_equal(samples(prefix, config), samples(corpus))
+    assert open_dataset(prefix).read_mode == "mmap-random"  # under the budget the file system does not matter
+
+
+def test_cold_auto_reads_at_most_twice_the_sample_bytes_of_a_file_larger_than_the_budget(tmp_path):
+    prefix = write_corpus(tmp_path / "auto_text_document", num_docs=4000, max_len=2000, seed=4)
+    rng = np.random.default_rng(1)
+    starts = rng.integers(0, IndexedDataset(prefix).num_tokens - 2049, size=64)
+    lengths = np.full(64, 2049)
+    drop_page_cache(prefix + ".bin")
+    ds = LocalDataset(prefix, config=StorageConfig(auto_direct_above_bytes=1 << 20))
+    before = read_bytes()
+    ds.read_spans(starts, lengths)
+    read = read_bytes() - before
+    if read == 0:
+        pytest.skip("this file system does not account block reads in /proc/self/io")
+    assert ds.read_mode == "direct" and read <= 2 * int(lengths.sum()) * 2, read
+
+
 def read_bytes() -> int:
     """Bytes this process caused to be read from block devices (the kernel's task I/O accounting)."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -128,6 +201,36 @@ def test_remote_dataset_reads_large_blocks(corpus):
     assert ds.blocks.requests == -(-size // (16 << 10))
     assert ds.blocks.bytes_fetched == size
     assert len(ds.blocks.blocks) == 2  # the LRU keeps cache_blocks blocks
+
+
+def read_with_steps(url: str, config: StorageConfig, step_s: float = 0.0, workers: int = 0, steps: int = 16):
+    """The first `steps` batches of a loader over `url` (micro-batch 2), pausing step_s after each as a training
+    step would; returns their tokens, the dataset's block cache, and its counters after the first batch."""
+    from corpusforge.data import make_loader
+
+    train, _, _ = build_gpt_datasets(url, seq_length=64, split="1,0,0", seed=7, num_samples=(48, 0, 0), storage=config)
+    got, after_first = [], None
+    loader = make_loader(train, micro_batch_size=2, dp_rank=0, dp_world_size=1, num_workers=workers)
+    for _, batch in zip(range(steps), loader):
+        got.append(batch["tokens"].numpy())
+        if after_first is None:
+            blocks = train.indexed.blocks
+            after_first = {"waits": blocks.waits, "read_requests": blocks.read_requests}
+        time.sleep(step_s)
+    return np.concatenate(got), train.indexed.blocks, after_first
+
+
+def test_remote_prefetch_keeps_reads_off_the_network_within_bounded_memory(corpus):
+    url = put_memory(corpus, "prefetch_text_document")
+    config = StorageConfig(block_size=4 << 10, cache_blocks=2, prefetch_blocks=12)
+    tokens, blocks, after_first = read_with_steps(url, config, step_s=0.02)
+    assert len(tokens) == 32
+    np.testing.assert_array_equal(tokens, samples(corpus, n=48)[: len(tokens)])
+    assert blocks.prefetch_requests > 0 and blocks.read_requests == after_first["read_requests"] == 0
+    assert blocks.waits == after_first["waits"]  # only the first batch waited for its blocks
+    assert blocks.peak_blocks <= 2 + 12  # cache_blocks + prefetch_blocks
+    _, plain, _ = read_with_steps(url, StorageConfig(block_size=4 << 10, cache_blocks=2, prefetch_blocks=0))
+    assert plain.prefetch_requests == 0 and plain.read_requests == plain.waits > blocks.waits
 
 
 def test_remote_dataset_refuses_a_mismatched_pair(corpus, tmp_path):
@@ -245,6 +348,35 @@ def test_lru_eviction_under_the_cap(tmp_path):
         LocalCache(tmp_path / "small", max_bytes=size // 2).fetch(prefixes[0])
 
 
+READER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from corpusforge.storage import StorageConfig, open_dataset
+    # pread opens the .bin at the first read, by name: a copy evicted in between would be a FileNotFoundError.
+    ds = open_dataset(sys.argv[2], StorageConfig(local_cache_dir=sys.argv[1], read_mode="pread"))
+    print(ds.prefix, flush=True)
+    sys.stdin.readline()  # hold the dataset until the test says read
+    print(int(ds.read_spans(np.array([0]), np.array([ds.num_tokens])).astype(np.int64).sum()), flush=True)
+""")
+
+
+def test_eviction_never_removes_a_copy_that_a_process_reads(tmp_path):
+    a, b = (write_corpus(tmp_path / f"{n}_text_document", num_docs=60, seed=i) for i, n in enumerate("ab"))
+    size = max(os.path.getsize(f"{p}.bin") + os.path.getsize(f"{p}.idx") for p in (a, b))
+    cache_dir = tmp_path / "cache"
+    reader = run_python(READER, str(cache_dir), a, stdin=subprocess.PIPE)
+    copy_of_a = reader.stdout.readline().strip()  # fetched and pinned, the .bin not opened yet
+    cache = LocalCache(cache_dir, max_bytes=int(1.5 * size))  # room for one of the two
+    with pytest.raises(OSError, match=r"are being read or copied by running processes"):
+        cache.fetch(b)
+    assert Path(f"{copy_of_a}.bin").is_file() and not list(cache_dir.glob(f"{cache.key(b)}"))
+    out, _ = reader.communicate("read\n", timeout=60)
+    assert reader.returncode == 0
+    assert int(out) == int(np.asarray(IndexedDataset(a).tokens, dtype=np.int64).sum())
+    cache.fetch(b)  # the reader is gone: a is evicted now
+    assert {key for _, key, _ in cache.entries()} == {cache.key(b)} and not Path(f"{copy_of_a}.bin").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # real Ceph on loopback: RGW (S3) and CephFS
 
@@ -288,6 +420,22 @@ def test_rgw_dataset_through_dataloader_workers(ceph_cluster, corpus, s3_corpus)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow
+@pytest.mark.ceph
+def test_rgw_prefetch_fetches_the_next_batches_blocks_during_the_step(ceph_cluster, corpus, s3_corpus):
+    """Against radosgw: after the first batch, no read waits on a GET (a 0.3 s pause stands for the step's
+    compute); memory stays within cache_blocks + prefetch_blocks blocks."""
+    options = ceph_cluster.storage_options
+    config = StorageConfig(storage_options=options, block_size=4 << 10, cache_blocks=2, prefetch_blocks=12)
+    tokens, blocks, after_first = read_with_steps(s3_corpus, config, step_s=0.3, steps=10)
+    np.testing.assert_array_equal(tokens, samples(corpus, n=48)[: len(tokens)])
+    assert blocks.prefetch_requests > 0 and blocks.read_requests == after_first["read_requests"]
+    assert blocks.waits == after_first["waits"], (blocks.waits, after_first)
+    assert blocks.peak_blocks <= 2 + 12
+    workers, _, _ = read_with_steps(s3_corpus, config, workers=2, steps=10)  # BatchIds via worker queues, forks
+    np.testing.assert_array_equal(workers, tokens)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ Example:
 """
 
 from corpusforge.data.blended import BlendedDataset, parse_blend
-from corpusforge.data.builder import build_gpt_datasets
+from corpusforge.data.builder import build_gpt_datasets, read_modes
 from corpusforge.data.cache import CacheMismatchError, IndexCache
 from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from corpusforge.data.loader import Loader, LoaderStateError, PretrainingBatchSampler, make_loader
@@ -28,4 +28,5 @@ __all__ = [
     "build_gpt_datasets",
     "make_loader",
     "parse_blend",
+    "read_modes",
 ]

@@ -252,7 +252,19 @@ class BlendedDataset:
             text[rows] = self.datasets[d].get_text(inner[rows])
         return {**make_batch(text, self.config), "dataset_id": which}
 
+    def prefetch(self, ids) -> None:
+        """Start fetching what samples `ids` need from the remote datasets of the blend (soonest first)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < len(self))]
+        which, inner = self.dataset_index[ids], self.dataset_sample_index[ids]
+        for d, part in enumerate(self.datasets):
+            if part.remote:
+                part.prefetch(inner[which == d])
+
     def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        upcoming = getattr(ids, "upcoming", None)  # a loader's BatchIds: the batches this worker reads next
+        if upcoming is not None and any(part.remote for part in self.datasets):
+            self.prefetch([*ids, *upcoming])
         return to_torch(self.get_batch(ids))
 
     def __getitem__(self, i: int) -> dict[str, Any]:

@@ -34,6 +34,24 @@ def open_dataset(prefix: str, storage: StorageConfig | None = None) -> LocalData
     return storage_open(prefix, storage)
 
 
+def read_modes(dataset: Dataset) -> dict[str, str]:
+    """How each token dataset under a GPTDataset or blend is read: {source: "mode (why)"}, for run summaries.
+
+    Example:
+        >>> read_modes(train)
+        {'out/a_text_document': "mmap-random (auto: the .bin (0.00 GiB) fits the page-cache budget (...)...)"}
+    """
+    out = {}
+    for part in getattr(dataset, "datasets", None) or [dataset]:
+        indexed = part.indexed
+        source = getattr(indexed, "source", indexed.prefix)
+        if hasattr(indexed, "read_mode"):
+            out[source] = f"{indexed.read_mode} ({indexed.read_mode_reason})"
+        else:  # a RemoteDataset: ranged GETs into a block cache
+            out[source] = f"ranged reads of {indexed.config.block_size >> 20} MiB blocks"
+    return out
+
+
 def _splits_of(
     indexed: IndexedDataset, sizes: Sequence[int | None], config: GPTDatasetConfig, cache: IndexCache
 ) -> list[GPTDataset | None]:

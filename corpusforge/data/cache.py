@@ -9,10 +9,19 @@ Layout, for a description `d` of kind `k` (e.g. "GPTDataset-train") in `cache_di
 where `h` is the first 32 hex digits of sha256(json(d, sorted keys)). Megatron-Core does the same with an md5 of
 its `unique_description` (megatron/core/datasets/megatron_dataset.py, MegatronDataset.__init__).
 
-Every file appears under its final name only when complete (temporary name in the same directory, fsync, rename),
-and one process builds an entry while the others wait on the lock and then load it: the first `fcntl.flock` holder
+Every file appears under its final name only when complete (temporary name in the same directory, rename), and
+one process builds an entry while the others wait on the lock and then load it: the first `fcntl.flock` holder
 builds; later holders find the description and load. Where the file system has no flock (some Lustre/NFS mounts),
 an `O_CREAT|O_EXCL` lock file with the holder's pid and host replaces it.
+
+Writing is off the builder's critical path: the builder returns the arrays it built as soon as they are built; a
+background thread of the builder then writes them (temporary name, rename), fsyncs them and the directory, writes
+the description (fsync, rename, fsync) and only then releases the lock. So the description, which readers require,
+exists on disk only after the arrays it vouches for are durable: a crash or a kill before that leaves arrays
+without a description, which nobody loads and the next builder overwrites; and processes waiting on the lock wake
+up to a complete entry. Until the arrays are written, the builder holds them in its memory; a dataset pickled to
+a spawned worker then waits for the write and sends their paths. The interpreter waits for the thread at exit
+(concurrent.futures joins its workers), and `wait_for_index_caches()` waits for it explicitly.
 
 Example:
     >>> cache = IndexCache("cache/")
@@ -28,10 +37,11 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -117,7 +127,8 @@ class IndexCache:
     def get_or_build(
         self, kind: str, description: Mapping[str, Any], build: Callable[[], dict[str, np.ndarray]]
     ) -> tuple[dict[str, np.ndarray], bool]:
-        """The arrays for `description`: loaded (memory-mapped) from the cache, else built, saved and returned.
+        """The arrays for `description`: loaded (memory-mapped) from the cache, else built and returned while a
+        background thread saves them (in this process's memory then; pickled as their paths once written).
 
         Returns the arrays and whether this call built them.
         """
@@ -129,27 +140,113 @@ class IndexCache:
         if loaded is not None:
             return loaded, False
         self.directory.mkdir(parents=True, exist_ok=True)
-        with _build_lock(Path(f"{base}.lock")):
+        lock = contextlib.ExitStack()
+        lock.enter_context(_build_lock(Path(f"{base}.lock")))
+        try:
             loaded = _load(base, description)  # another process built it while we waited
             if loaded is not None:
+                lock.close()
                 return loaded, False
+            desc_path = Path(f"{base}-description.json")
+            if desc_path.exists():  # an entry with a deleted array: it stops counting as complete before we write
+                desc_path.unlink()
+                fsync_dir(self.directory)
             arrays = build()
-            # The arrays are written side by side: fsync waits for the disk and releases the GIL, so the three
-            # files share one journal commit instead of paying for three in a row.
-            with ThreadPoolExecutor(len(arrays) or 1) as pool:
-                writes = [
-                    pool.submit(_atomic_write, Path(f"{base}-{name}.npy"), partial(_save, array=array))
-                    for name, array in arrays.items()
-                ]
-                for w in writes:
-                    w.result()
-            record = {"description": description, "arrays": sorted(arrays)}
-            text = json.dumps(record, indent=1, sort_keys=True).encode()
-            _atomic_write(Path(f"{base}-description.json"), lambda f: f.write(text))
-            fsync_dir(self.directory)
-        # The builder too reads the mapped files: its memory is freed, and workers it pickles the dataset to map
-        # the same files instead of receiving copies.
-        return _load(base, description) or arrays, True
+        except BaseException:
+            lock.close()
+            raise
+        paths = {name: Path(f"{base}-{name}.npy") for name in arrays}
+        record = {"description": description, "arrays": sorted(arrays)}
+        text = json.dumps(record, indent=1, sort_keys=True).encode()
+        written = _Written()
+        for name, array in arrays.items():
+            _remember_file(array, paths[name], written)
+        _PENDING.append(_writer().submit(_finish_entry, arrays, paths, desc_path, text, written, lock))
+        return arrays, True
+
+    def wait(self) -> None:
+        """Wait until every cache entry this process built is durable and complete (see wait_for_index_caches)."""
+        wait_for_index_caches()
+
+
+# The background thread of this process that finishes the entries it built (one: entries are written in the order
+# they were built, and a submit does not wait for a thread to start), what it has to do, and what went wrong.
+_WRITER: tuple[int, ThreadPoolExecutor] | None = None
+_PENDING: list[Future] = []
+_ERRORS: list[tuple[Path, BaseException]] = []
+
+
+def _writer() -> ThreadPoolExecutor:
+    global _WRITER
+    if _WRITER is None or _WRITER[0] != os.getpid():  # a forked child has the object but not the thread
+        _WRITER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="index-cache"))
+    return _WRITER[1]
+
+
+class _Written(threading.Event):
+    """Set once an entry's arrays are under their final names (complete in the page cache; maybe not on disk)."""
+
+    ok = False
+
+
+# id(array) -> (weak reference to it, its .npy path, its entry's _Written): for pickling a freshly built array as
+# its path (MappedArray) rather than its bytes.
+_FILES: dict[int, tuple[weakref.ref, Path, _Written]] = {}
+
+
+def _remember_file(array: np.ndarray, path: Path, written: _Written) -> None:
+    key = id(array)
+    _FILES[key] = (weakref.ref(array, lambda _, key=key: _FILES.pop(key, None)), path, written)
+
+
+def _finish_entry(
+    arrays: Mapping[str, np.ndarray],
+    paths: Mapping[str, Path],
+    desc_path: Path,
+    text: bytes,
+    written: _Written,
+    lock: contextlib.ExitStack,
+) -> None:
+    """Off the builder's critical path: write the arrays (temporary name, rename), fsync them and the directory,
+    then write the description (fsync, rename, fsync); only then release the build lock."""
+    # Lowest CPU priority for this thread alone (Linux: a thread id is a valid PRIO_PROCESS target): on a busy
+    # node it must not slow the builder, which goes on building the next split or starts training.
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    try:
+        try:
+            for name, array in arrays.items():
+                _atomic_write(paths[name], partial(_save, array=array), durable=False)
+            written.ok = True
+        finally:
+            written.set()
+        for path in paths.values():
+            _fsync_path(path)
+        fsync_dir(desc_path.parent)
+        _atomic_write(desc_path, lambda f: f.write(text))
+        fsync_dir(desc_path.parent)
+    except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
+        _ERRORS.append((desc_path, e))
+    finally:
+        lock.close()
+
+
+def wait_for_index_caches() -> None:
+    """Wait until every index cache entry this process built is durable and complete; raise the first error.
+
+    The interpreter waits for them at exit anyway; call this to know the caches are on disk at a given point (a
+    job that hands its cache directory to others, a test).
+
+    Example:
+        >>> train, valid, test = build_gpt_datasets("out/a_text_document", 1024, cache_dir="cache/")
+        >>> wait_for_index_caches()     # cache/*-description.json now exist: other processes load, not build
+    """
+    while _PENDING:
+        _PENDING.pop().result()
+    if _ERRORS:
+        (where, error), *_ = _ERRORS
+        _ERRORS.clear()
+        raise OSError(f"{where}: the index cache entry could not be made durable ({error}); it will be rebuilt")
 
 
 class MappedArray:
@@ -160,9 +257,16 @@ class MappedArray:
 
 
 def picklable(array: np.ndarray) -> np.ndarray | MappedArray:
-    """`array` itself, or a MappedArray if it is a whole .npy file mapped by np.load(mmap_mode="r")."""
+    """`array` itself, or a MappedArray if it is a whole .npy file mapped by np.load(mmap_mode="r") or one that
+    this process built and is writing to the cache (then once it is written: a path instead of its bytes)."""
     if isinstance(array, np.memmap) and array.filename and str(array.filename).endswith(".npy"):
         return MappedArray(str(array.filename))
+    known = _FILES.get(id(array))
+    if known is not None and known[0]() is array:
+        _, path, written = known
+        written.wait()
+        if written.ok:
+            return MappedArray(str(path))
     return array
 
 
@@ -202,18 +306,27 @@ def _save(f, array: np.ndarray) -> None:
     np.save(f, array, allow_pickle=False)
 
 
-def _atomic_write(path: Path, write: Callable[[Any], object]) -> None:
-    """Write `path` through a temporary name in the same directory, fsync, then rename over it."""
+def _atomic_write(path: Path, write: Callable[[Any], object], durable: bool = True) -> None:
+    """Write `path` through a temporary name in the same directory (fsync'd first when `durable`), rename over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -603,7 +603,35 @@ class GPTDataset:
         """Samples `ids` as numpy arrays: tokens, labels, loss_mask, position_ids[, attention_mask]."""
         return make_batch(self.get_text(np.asarray(ids)), self.config)
 
+    @property
+    def remote(self) -> bool:
+        """Whether the tokens come over the network (then prefetch() fetches ahead)."""
+        return hasattr(self.indexed, "prefetch_spans")
+
+    def prefetch(self, ids) -> None:
+        """Start fetching the storage blocks that samples `ids` need (soonest first), where the token dataset is
+        remote; a no-op for local files."""
+        if not self.remote:
+            return
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < len(self))]
+        indexed = self.indexed
+        src, length, _ = _sample_pieces(
+            self.shuffle_index[ids].astype(np.int64),
+            self.sample_index,
+            self.document_index,
+            indexed.sequence_lengths,
+            indexed.sequence_pointers,
+            indexed.dtype.itemsize,
+            self.config.seq_length + self.config.extra,
+            self.config.extra,
+        )
+        indexed.prefetch_spans(src, length)
+
     def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        upcoming = getattr(ids, "upcoming", None)  # a loader's BatchIds: the batches this worker reads next
+        if upcoming is not None and self.remote:
+            self.prefetch([*ids, *upcoming])
         return to_torch(self.get_batch(ids))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -629,4 +657,6 @@ class GPTDataset:
 
     def __repr__(self) -> str:
         prefix, seq = self.indexed.prefix, self.config.seq_length
-        return f"GPTDataset({prefix!r}, {self.split}, samples={len(self)}, seq_length={seq})"
+        mode = getattr(self.indexed, "read_mode", None)
+        reads = f", read_mode={mode!r} ({self.indexed.read_mode_reason})" if mode else ""
+        return f"GPTDataset({prefix!r}, {self.split}, samples={len(self)}, seq_length={seq}{reads})"

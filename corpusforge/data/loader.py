@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,63 @@ class PretrainingBatchSampler:
                 yield ids
 
 
+class BatchIds(list):
+    """One micro-batch's sample ids (a list), with `upcoming`: the ids of the batches the same DataLoader worker
+    reads after it, so that a dataset over remote storage can fetch their blocks while this one is trained on.
+
+    Example:
+        >>> ids = BatchIds([4, 5], upcoming=[12, 13, 20, 21])
+        >>> ids, ids.upcoming
+        ([4, 5], [12, 13, 20, 21])
+    """
+
+    def __init__(self, ids: list[int], upcoming: list[int]) -> None:
+        super().__init__(ids)
+        self.upcoming = upcoming
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent to workers through their index queues
+        return (BatchIds, (list(self), self.upcoming))
+
+
+@dataclass(frozen=True)
+class LookaheadBatches:
+    """The batches of a batch sampler as BatchIds: each with the ids of the next `depth` batches that go to the
+    same worker. torch's DataLoader hands map-style batches to its workers in turn (batch k to worker k % W), so
+    those are the batches `workers` places further on; with another assignment prefetching only helps less.
+
+    Example:
+        >>> [b.upcoming for b in LookaheadBatches([[0], [1], [2], [3]], workers=2, depth=1)]
+        [[2], [3], [], []]
+    """
+
+    batches: Any
+    """The batch sampler (an iterable of lists of ids, with a length)."""
+
+    workers: int = 1
+    """DataLoader workers (1 for none: every batch is read by the same process)."""
+
+    depth: int = 2
+    """How many of its next batches each batch announces."""
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[BatchIds]:
+        window: deque[list[int]] = deque()
+        span = self.workers * self.depth
+        for batch in self.batches:
+            window.append(batch)
+            if len(window) > span:
+                yield self._next(window)
+        while window:
+            yield self._next(window)
+
+    def _next(self, window: deque[list[int]]) -> BatchIds:
+        current = window.popleft()
+        later = [window[k] for k in range(self.workers - 1, len(window), self.workers)][: self.depth]
+        return BatchIds(current, [i for batch in later for i in batch])
+
+
 def _keep_batch(batch: Any) -> Any:
     """collate_fn: the dataset's `__getitems__` already returns the batched tensors."""
     return batch
@@ -149,9 +207,10 @@ class Loader:
                 "persistent_workers": self.persistent_workers,
                 "multiprocessing_context": self.multiprocessing_context,
             }
+        batches = LookaheadBatches(self._sampler(self.consumed_samples), max(1, self.num_workers))
         loader = DataLoader(
             self.dataset,
-            batch_sampler=self._sampler(self.consumed_samples),
+            batch_sampler=batches,
             num_workers=self.num_workers,
             collate_fn=_keep_batch,
             pin_memory=self.pin_memory,

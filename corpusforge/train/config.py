@@ -3,7 +3,17 @@
 A run is configured by a TOML file of flat `key = value` lines (see configs/) and `key=value` overrides given on
 the command line after it; values of overrides are read as TOML (`lr=3e-4`, `compile=false`, `out_dir="runs/a"`,
 `data_path=["a_text_document", 0.7, "b_text_document", 0.3]`) and as a plain string when they are not TOML.
+One section, `[storage]`, says how the token datasets are read (corpusforge.storage.StorageConfig's keys, its
+fsspec options in `[storage.storage_options]`); overrides reach it as `storage.read_mode=direct`,
+`storage.storage_options.endpoint_url=http://rgw:7480`.
 An unknown key, a value of the wrong type or an impossible combination is an error before anything is built.
+
+    [storage]
+    read_mode = "auto"                      # or "direct", "pread", "mmap-random"
+    local_cache_dir = "/nvme/cf-cache"      # copy each dataset to local disk on first use
+    local_cache_max_bytes = 500_000_000_000
+    [storage.storage_options]
+    endpoint_url = "http://rgw.example:7480"   # credentials: better from the environment (AWS_ACCESS_KEY_ID, ...)
 
 Example:
     >>> cfg = load_config("configs/tiny-cpu.toml", ["max_steps=20", "out_dir=runs/t"])
@@ -20,10 +30,12 @@ import json
 import tomllib
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from corpusforge.storage import StorageConfig
 
 
 class ConfigError(ValueError):
@@ -46,6 +58,11 @@ class TrainConfig:
 
     num_workers: int = 2
     """DataLoader worker processes per rank; 0 reads in the training process."""
+
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """How the token datasets are read: the section [storage] with the keys of corpusforge.storage.StorageConfig
+    (read_mode, block_size, cache_blocks, prefetch_blocks, local_cache_dir, local_cache_max_bytes, verify_sha256,
+    auto_direct_above_bytes) and [storage.storage_options] for s3:// and other URLs (endpoint_url, ...)."""
 
     data_source: str = "loader"
     """"loader" (the datasets above) or "synthetic": random tokens made once on the device and reused, no loader;
@@ -167,7 +184,14 @@ class TrainConfig:
         _check_values(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The configuration as JSON-able values, credentials in storage_options replaced by "<redacted>" (this is
+        what config.json and checkpoints record)."""
+        out = asdict(self)
+        options = out["storage"]["storage_options"]
+        for key in options:
+            if any(word in key.lower() for word in SECRET_WORDS):
+                options[key] = "<redacted>"
+        return out
 
     def model_shape(self) -> tuple[int, int, int]:
         """(n_layer, n_head, n_embd): the preset's, with any non-zero key taking precedence."""
@@ -182,6 +206,9 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt2-774m": (36, 20, 1280),
     "gpt2-1.5b": (48, 25, 1600),
 }
+
+# storage_options keys whose values are not written to config.json (s3fs: key, secret, token; others: password).
+SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
 CHOICES = {
     "model": [*PRESETS, "custom"],
@@ -273,7 +300,12 @@ def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 @cache
 def key_docs() -> dict[str, str]:
     """Each key's docstring, read from this class's source (the single documentation of the keys)."""
-    tree = ast.parse(inspect.getsource(TrainConfig))
+    return _attribute_docs(TrainConfig)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The string after each annotated field of a dataclass's source."""
+    tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in zip(body, body[1:]):
@@ -311,6 +343,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides."""
     known = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {}
+    storage: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
@@ -320,26 +353,80 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         for key, value in data.items():
+            if key == "storage":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{path}: storage must be the section [storage], got {value!r}")
+                storage.update(value)
+                continue
             if isinstance(value, dict):
-                raise ConfigError(f"{path}: [{key}]: sections are not used; write flat `key = value` lines")
+                raise ConfigError(f"{path}: [{key}]: sections are not used (except [storage]); write flat lines")
             if key not in known:
                 raise _unknown_key(key, str(path))
             values[key] = value
     for text in overrides:
         key, value = parse_override(text)
+        if key.startswith("storage."):
+            _set_dotted(storage, key.split(".")[1:], value, text)
+            continue
         if key not in known:
             raise _unknown_key(key, f"override {text!r}")
         values[key] = value
+    if storage:
+        values["storage"] = storage_config(storage, f"{path or 'config'}: [storage]")
     try:
         return TrainConfig(**values)
     except ConfigError as e:
         raise ConfigError(f"{path or 'config'}: {e}") from None
 
 
+def _set_dotted(table: dict[str, Any], keys: list[str], value: Any, text: str) -> None:
+    """storage.a.b=v → table["a"]["b"] = v (only storage_options has a level below storage)."""
+    if not keys or not all(keys) or len(keys) > 2 or (len(keys) == 2 and keys[0] != "storage_options"):
+        raise ConfigError(f"override {text!r}: write storage.KEY=value or storage.storage_options.KEY=value")
+    if len(keys) == 2:
+        table = table.setdefault("storage_options", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {text!r}: storage.storage_options is not a table")
+    table[keys[-1]] = value
+
+
+def storage_config(values: dict[str, Any], where: str = "[storage]") -> StorageConfig:
+    """A StorageConfig from the [storage] section's values: unknown keys, wrong types and bad values are
+    ConfigErrors naming the key.
+
+    Example:
+        >>> storage_config({"read_mode": "direct", "storage_options": {"endpoint_url": "http://rgw:7480"}}).read_mode
+        'direct'
+    """
+    names = [f.name for f in fields(StorageConfig)]
+    hints = typing.get_type_hints(StorageConfig)
+    for key, value in values.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
+        if key == "storage_options":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: storage_options = {value!r}: expected a table of fsspec options")
+        elif not _accepts(hints[key], value):
+            raise ConfigError(f"{where}: {key} = {value!r}: expected {hints[key]}")
+    try:
+        return StorageConfig(**values)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def describe_keys() -> str:
     """Every key with its default and documentation, for `--list-keys`."""
     lines = []
     for f in fields(TrainConfig):
+        if f.name == "storage":
+            lines.append(f"[storage]\n    {key_docs().get(f.name, '')}")
+            docs = _attribute_docs(StorageConfig)
+            for sf in fields(StorageConfig):
+                default = sf.default if sf.default is not MISSING else sf.default_factory()  # type: ignore[misc]
+                lines.append(f"storage.{sf.name} = {json.dumps(default)}\n    {docs.get(sf.name, '')}")
+            continue
         default = f.default if f.default is not MISSING else "(required)"
         lines.append(f"{f.name} = {json.dumps(default)}\n    {key_docs().get(f.name, '')}")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ class TrainData:
     valid: Any | None  # Loader of this rank, or None when evaluation is off
     train_samples: int  # samples the run consumes (all ranks)
     train_tokens_per_epoch: int  # tokens of the train split(s), before the sample index repeats them
+    read_modes: dict[str, str] = field(default_factory=dict)  # how each dataset is read, and why (run summary)
 
     def __post_init__(self) -> None:
         self.valid_start = self.valid.state_dict() if self.valid is not None else None  # rewound before each eval
@@ -67,7 +68,7 @@ def _split_tokens(dataset: Any) -> int:
 def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, device: Any = "cpu") -> TrainData:
     """Train and validation loaders for `rank`. Rank 0 builds the index caches first, then the others map them
     (pass `barrier` under torch.distributed)."""
-    from corpusforge.data import build_gpt_datasets, make_loader
+    from corpusforge.data import build_gpt_datasets, make_loader, read_modes
 
     if cfg.data_source == "synthetic":
         valid = SyntheticLoader(cfg, device) if cfg.eval_interval else None
@@ -89,8 +90,9 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
                 seed=cfg.seed,
                 num_samples=(train_samples, valid_samples, 0),
                 cache_dir=cache_dir,
+                storage=cfg.storage,
             )
-        except FileNotFoundError as e:
+        except OSError as e:  # a missing prefix, a dataset over the local cache's cap, an unreachable endpoint
             raise DataError(str(e)) from None
 
     if barrier is not None and rank != 0:
@@ -116,7 +118,7 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
     valid_loader = None
     if cfg.eval_interval:
         valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
-    return TrainData(train_loader, valid_loader, train_samples, tokens)
+    return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train))
 
 
 def _cuda() -> bool:

@@ -156,6 +156,7 @@ class Plan:
             "epochs": round(steps * self.cfg.global_batch_tokens / self.data.train_tokens_per_epoch, 3)
             if self.data
             else None,
+            "data_read_modes": self.data.read_modes if self.data else None,
             "flops_per_token": self.flops_per_token,
             "memory_estimate": {k: round(v, 3) for k, v in self.memory.items()},
             "resume_from": str(self.resume_from) if self.resume_from else None,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +17,7 @@ import pytest
 from loader_data import build_blend
 
 from corpusforge.data import CacheMismatchError, IndexCache
+from corpusforge.data.cache import MappedArray, picklable, unpickled, wait_for_index_caches
 
 HERE = Path(__file__).parent
 
@@ -63,11 +68,13 @@ def test_second_build_loads_the_same_arrays(corpora, tmp_path):
 
 def test_cache_name_follows_every_input(corpora, tmp_path):
     base = build_blend(corpora, tmp_path)[0]
+    wait_for_index_caches()
     names = {p.name for p in tmp_path.glob("*-description.json")}
     assert not build_blend(corpora, tmp_path)[0].built
     for change in ({"seed": 5}, {"add_extra_token_to_sequence": False}):
         ds = build_blend(corpora, tmp_path, **change)[0]
         assert ds.built and ds.datasets[0].built
+    wait_for_index_caches()
     assert len({p.name for p in tmp_path.glob("*-description.json")}) > len(names)
     assert base.datasets[0].description["dataset"]["lengths_sha256"]
 
@@ -76,6 +83,7 @@ def test_cache_written_by_another_configuration_is_refused(tmp_path):
     cache = IndexCache(tmp_path)
     arrays, built = cache.get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(3)})
     assert built
+    cache.wait()
     (desc,) = tmp_path.glob("*-X-train-description.json")
     record = json.loads(desc.read_text())
     record["description"]["seed"] = 2  # as if another configuration's files had been copied under this name
@@ -87,3 +95,81 @@ def test_cache_written_by_another_configuration_is_refused(tmp_path):
 def test_no_cache_dir_builds_in_memory(corpora, tmp_path):
     train = build_blend(corpora, None)[0]
     assert train.built and len(train) == 400
+
+
+# A builder on a slow disk: every fsync waits until the file `go` exists, so the test decides when the cache
+# becomes durable and can look at what others see before that.
+SLOW_DISK_BUILDER = """
+import json, os, sys, time
+from pathlib import Path
+import numpy as np
+from corpusforge.data import IndexCache
+go, real_fsync = Path(sys.argv[2]), os.fsync
+def slow_fsync(fd):
+    while not go.exists():
+        time.sleep(0.01)
+    real_fsync(fd)
+os.fsync = slow_fsync
+arrays, built = IndexCache(sys.argv[1]).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(1000)})
+print(json.dumps({"built": built, "sum": int(arrays["a"].sum())}), flush=True)
+"""
+
+WAITER = """
+import json, sys
+import numpy as np
+from corpusforge.data import IndexCache
+arrays, built = IndexCache(sys.argv[1]).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(1000)})
+print(json.dumps({"built": built, "sum": int(arrays["a"].sum())}), flush=True)
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_the_builder_returns_before_its_cache_is_durable_and_waiters_see_only_the_complete_entry(tmp_path):
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    builder = _python(SLOW_DISK_BUILDER, str(cache), str(go))
+    assert json.loads(builder.stdout.readline()) == {"built": True, "sum": 499500}  # returned; fsync still blocked
+    assert not list(cache.glob("*-description.json"))  # not complete: nobody may load it yet
+    waiter = _python(WAITER, str(cache))
+    with pytest.raises(subprocess.TimeoutExpired):
+        waiter.wait(timeout=3)  # it waits on the lock that the builder's fsync thread still holds
+    go.touch()  # the disk catches up
+    assert json.loads(waiter.communicate(timeout=60)[0]) == {"built": False, "sum": 499500}  # loaded, not rebuilt
+    assert builder.wait(timeout=60) == 0 and waiter.returncode == 0
+    assert len(list(cache.glob("*-description.json"))) == 1 and not list(cache.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_builder_killed_before_its_cache_is_durable_leaves_an_entry_that_is_rebuilt(tmp_path):
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    builder = _python(SLOW_DISK_BUILDER, str(cache), str(go))
+    assert json.loads(builder.stdout.readline())["built"]
+    deadline = time.monotonic() + 60
+    while not list(cache.glob("*-X-train-a.npy")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # written by the builder's background thread, which then blocks in fsync
+    builder.send_signal(signal.SIGKILL)  # as a crash would, before the arrays reached the disk
+    builder.wait()
+    (array,) = cache.glob("*-X-train-a.npy")
+    assert not list(cache.glob("*-description.json"))
+    array.write_bytes(array.read_bytes()[:100])  # what a crash can leave of a file that was never fsync'd
+    arrays, built = IndexCache(cache).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(1000)})
+    assert built  # the leftover was not trusted
+    np.testing.assert_array_equal(arrays["a"], np.arange(1000))
+    wait_for_index_caches()
+    again, built = IndexCache(cache).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(5)})
+    assert not built
+    np.testing.assert_array_equal(again["a"], np.arange(1000))
+
+
+def test_a_freshly_built_entry_pickles_as_the_paths_of_its_files(tmp_path):
+    """Spawned DataLoader workers get the builder's arrays as .npy paths (once written), not as copies."""
+    arrays, built = IndexCache(tmp_path).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(100_000)})
+    assert built and not isinstance(arrays["a"], np.memmap)  # returned before the cache files were written
+    sent = picklable(arrays["a"])
+    assert isinstance(sent, MappedArray) and Path(sent.path).is_file()
+    np.testing.assert_array_equal(unpickled(sent), np.arange(100_000))
+    assert picklable(np.arange(3)).tolist() == [0, 1, 2]  # an array of no cache entry goes as it is

@@ -69,7 +69,8 @@ def test_lock_without_flock(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.fcntl, "flock", no_flock)
     arrays, built = IndexCache(tmp_path).get_or_build("X", {"a": 1}, lambda: {"v": np.arange(4)})
     assert built and arrays["v"].tolist() == [0, 1, 2, 3]
-    assert not list(tmp_path.glob("*.excl"))
+    cache.wait_for_index_caches()  # the lock is released once the entry is durable, by a background thread
+    assert not list(tmp_path.glob("*.excl")) and list(tmp_path.glob("*-description.json"))
 
 
 def test_attention_mask_only_when_asked(tmp_path):

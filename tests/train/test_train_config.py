@@ -101,3 +101,60 @@ def test_docstrings_are_attribute_docstrings():
     body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
     names = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
     assert names == [f.name for f in fields(TrainConfig)]
+
+
+def test_a_storage_section_loads_and_reaches_the_dataset(tmp_path):
+    import json
+
+    from trainkit import tiny_overrides, write_markov_corpus
+
+    from corpusforge.storage import StorageConfig
+    from corpusforge.train.data import build_data
+
+    prefix = write_markov_corpus(tmp_path / "m_text_document")
+    f = tmp_path / "run.toml"
+    f.write_text(
+        "[storage]\n"
+        'read_mode = "pread"\n'
+        "block_size = 1048576\n"
+        f'local_cache_dir = "{tmp_path / "local"}"\n'
+        "local_cache_max_bytes = 1_000_000_000\n"
+        "[storage.storage_options]\n"
+        'endpoint_url = "http://127.0.0.1:7480"\n'
+        'secret = "s3cr3t"\n'
+    )
+    cfg = load_config(f, tiny_overrides(prefix, tmp_path / "run", eval_interval=0) + ["storage.cache_blocks=3"])
+    assert cfg.storage == StorageConfig(
+        read_mode="pread",
+        block_size=1 << 20,
+        cache_blocks=3,
+        local_cache_dir=str(tmp_path / "local"),
+        local_cache_max_bytes=1_000_000_000,
+        storage_options={"endpoint_url": "http://127.0.0.1:7480", "secret": "s3cr3t"},
+    )
+    assert json.loads(json.dumps(cfg.to_dict()))["storage"]["storage_options"]["secret"] == "<redacted>"
+    data = build_data(cfg, rank=0, world_size=1)
+    reader = data.train.dataset.indexed
+    assert reader.read_mode == "pread" and reader.source == prefix  # read as configured...
+    assert reader.prefix.startswith(str(tmp_path / "local"))  # ...from the local cache tier's copy
+    assert data.read_modes == {prefix: "pread (configured)"}
+    assert next(iter(data.train))["tokens"].shape == (8, 32)
+
+
+@pytest.mark.parametrize(
+    "section, override, message",
+    [
+        ('read_mod = "pread"', None, r"\[storage\]: unknown key 'read_mod'; did you mean read_mode"),
+        ('read_mode = "fast"', None, r"\[storage\]: read_mode 'fast': choose one of"),
+        ('block_size = "big"', None, r"\[storage\]: block_size = 'big': expected <class 'int'>"),
+        ('storage_options = "http://x"', None, "storage_options = 'http://x': expected a table"),
+        ("", "storage.local_cache_max_bytes=-1", "local_cache_max_bytes must be positive"),
+        ("", "storage.nope.x=1", "write storage.KEY=value or storage.storage_options.KEY=value"),
+        ("", "storage.auto_direct_above_bytes=-5", "auto_direct_above_bytes must not be negative"),
+    ],
+)
+def test_bad_storage_settings_are_config_errors(tmp_path, section, override, message):
+    f = tmp_path / "c.toml"
+    f.write_text(f'data_path = "x"\n[storage]\n{section}\n')
+    with pytest.raises(ConfigError, match=message):
+        load_config(f, [override] if override else [])
