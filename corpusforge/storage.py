@@ -8,9 +8,11 @@ to back, in one call. Three readers:
 - `LocalDataset`, a path on a mounted file system (local disk, Lustre, CephFS). `read_mode="auto"` (default)
   picks one of the modes below when the dataset is opened, and says which and why (`read_mode_reason`, repr):
   "mmap-random" when the .bin fits comfortably in the page cache (at most half of what this process's memory can
-  hold: min(MemAvailable, cgroup limit)), since a file that stays cached is read from RAM at memcpy speed;
-  "direct" when it does not, since every cold read then goes to the disk and whole 4 KiB pages per document piece
-  cost ~4x the sample bytes; "pread" where the file system refuses O_DIRECT (ramfs, some FUSE and NFS mounts).
+  hold: min(MemAvailable, cgroup limit)) and is mostly cached already (mincore), since it is then read from RAM at
+  memcpy speed; "direct" when it does not fit or is cold, since every cold read goes to the disk and whole 4 KiB
+  pages per document piece cost ~4x the sample bytes (O_DIRECT: ~1.4x), while pretraining reads most samples only
+  once; where the file system refuses O_DIRECT (ramfs, some FUSE and NFS mounts), "mmap-random" for a file that
+  fits and "pread" for one that does not.
   `"mmap-random"` copies each span from the memory map, mapped with madvise(MADV_RANDOM) so that a cold read costs
   the pages it touches and no read-ahead. `"pread"` reads each span with os.preadv, with posix_fadvise(RANDOM): the
   same pages, a system call per span (slower from the page cache; no mapping). `"direct"` reads with O_DIRECT in
@@ -74,6 +76,7 @@ from corpusforge.indexed import (
     IndexedFormatError,
     fsync_dir,
 )
+from corpusforge.pagecache import resident_fraction
 
 READ_MODES = ("auto", "pread", "direct", "mmap", "mmap-random")
 MiB = 1 << 20
@@ -83,6 +86,11 @@ GiB = 1 << 30
 # Half, because the page cache also holds the other datasets of a blend, checkpoints being written and the
 # training process's own files, and a file that only just fits is evicted piecemeal and read again (~4x each time).
 AUTO_PAGE_CACHE_FRACTION = 0.5
+# read_mode "auto": a .bin that fits but has less than this fraction of its pages cached when it is opened is read
+# with O_DIRECT. A sample's documents lie apart in the file (the document order is shuffled), so whole-page reads
+# of a cold file fetch about 4x the sample bytes, block-aligned O_DIRECT reads about 1.4x; and pretraining reads
+# most samples once, so the pages the map would keep are seldom read again.
+AUTO_WARM_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,13 @@ class StorageConfig:
 
     read_mode: str = "auto"
     """Local reads: "auto" (chosen per dataset when it is opened: "mmap-random" when the .bin fits in half of the
-    memory the page cache can use, else "direct", else "pread" where O_DIRECT is refused), "mmap-random" (memory
-    map with madvise(MADV_RANDOM): no read-ahead, so a cold read costs the pages a sample touches; from the page
-    cache a compiled memcpy per span, no system call), "pread" (os.preadv per span, read-ahead off: the same pages,
-    one system call each), "direct" (O_DIRECT reads aligned to the device's logical block, bypassing the page cache:
-    the least disk traffic on a corpus larger than RAM), "mmap" (memory map with the kernel's read-ahead: megabytes
-    per fault on random access; for comparison)."""
+    memory the page cache can use and at least half of it is cached, else "direct" (a cold or too large file), else,
+    where O_DIRECT is refused, "mmap-random" for a file that fits and "pread" for one that does not), "mmap-random"
+    (memory map with madvise(MADV_RANDOM): no read-ahead, so a cold read costs the pages a sample touches; from the
+    page cache a compiled memcpy per span, no system call), "pread" (os.preadv per span, read-ahead off: the same
+    pages, one system call each), "direct" (O_DIRECT reads aligned to the device's logical block, bypassing the page
+    cache: the least disk traffic on a corpus larger than RAM), "mmap" (memory map with the kernel's read-ahead:
+    megabytes per fault on random access; for comparison)."""
 
     block_size: int = 256 * MiB
     """Remote .bin reads: bytes per ranged request (Megatron-Core's S3 reader reads 256 MiB blocks)."""
@@ -313,14 +322,20 @@ def choose_read_mode(bin_path: str | os.PathLike, config: StorageConfig) -> tupl
         budget = int(AUTO_PAGE_CACHE_FRACTION * memory)
         source = f"half of {source} {memory / GiB:.1f} GiB"
     sizes = f"the .bin ({size / GiB:.2f} GiB)"
+    fits = f"auto: {sizes} fits the page-cache budget ({budget / GiB:.2f} GiB, {source})"
     if size <= budget:
-        return "mmap-random", f"auto: {sizes} fits the page-cache budget ({budget / GiB:.2f} GiB, {source}): " + (
-            "memory map, warm reads from RAM"
-        )
-    over = f"auto: {sizes} exceeds the page-cache budget ({budget / GiB:.2f} GiB, {source})"
+        resident = resident_fraction(bin_path)
+        if resident is None or resident >= AUTO_WARM_FRACTION:
+            cached = "" if resident is None else f" and {resident:.0%} of it is cached"
+            return "mmap-random", f"{fits}{cached}: memory map, warm reads from RAM"
+        over = f"{fits} but only {resident:.0%} of it is cached (a cold file)"
+    else:
+        over = f"auto: {sizes} exceeds the page-cache budget ({budget / GiB:.2f} GiB, {source})"
     refused = o_direct_refused(bin_path)
     if refused is None:
         return "direct", f"{over}: O_DIRECT reads of the sample bytes, no page-cache thrashing"
+    if size <= budget:
+        return "mmap-random", f"{over}, and O_DIRECT is refused here ({refused}): memory map, whole pages"
     return "pread", f"{over}, but O_DIRECT is refused here ({refused}): pread with read-ahead off (whole pages)"
 
 

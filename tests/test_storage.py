@@ -18,7 +18,7 @@ import pytest
 
 from corpusforge.data import build_gpt_datasets, read_modes
 from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter
-from corpusforge.pagecache import drop_page_cache
+from corpusforge.pagecache import drop_page_cache, resident_fraction
 from corpusforge.storage import (
     READ_MODES,
     LocalCache,
@@ -122,6 +122,23 @@ def test_auto_reads_a_file_larger_than_the_budget_with_o_direct(corpus):
     assert pickle.loads(pickle.dumps(ds)).read_mode == "direct"  # workers read in the mode chosen here
     big = os.path.getsize(f"{corpus}.bin")
     assert open_dataset(corpus, StorageConfig(auto_direct_above_bytes=big)).read_mode == "mmap-random"
+
+
+def test_auto_reads_a_cold_file_with_o_direct_and_a_cached_one_through_the_map(tmp_path):
+    prefix = write_corpus(tmp_path / "cold_text_document", num_docs=2000, max_len=2000, seed=5)
+    bin_path = f"{prefix}.bin"
+    with open(bin_path, "rb") as f:
+        f.read()
+    assert resident_fraction(bin_path) == 1.0
+    warm = open_dataset(prefix)
+    assert warm.read_mode == "mmap-random" and "100% of it is cached" in warm.read_mode_reason
+    drop_page_cache(bin_path)
+    assert resident_fraction(bin_path) < 0.5
+    cold = open_dataset(prefix)
+    assert cold.read_mode == "direct", cold.read_mode_reason
+    assert "fits the page-cache budget" in cold.read_mode_reason
+    assert "but only 0% of it is cached (a cold file)" in cold.read_mode_reason
+    np.testing.assert_array_equal(samples(prefix), samples(prefix, StorageConfig(read_mode="mmap")))
 
 
 @pytest.fixture
