@@ -87,6 +87,12 @@ def main() -> None:
     ap.add_argument("--sample-size", type=int, default=8, help="KiB per random read")
     ap.add_argument("--rand-ops", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--cache",
+        choices=("both", "direct", "buffered"),
+        default="both",
+        help="O_DIRECT rows, buffered rows (after posix_fadvise DONTNEED), or both",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not shutil.which("fio"):
@@ -104,6 +110,7 @@ def main() -> None:
         hang_seconds=120.0,
     )
     modes = [True, False] if direct_supported(root) else [False]
+    modes = [m for m in modes if args.cache == "both" or m == (args.cache == "direct")]
     rows = []
     try:
         procs_list = [int(p) for p in args.procs.split(",")]
@@ -141,7 +148,8 @@ def main() -> None:
                     print(
                         f"{pattern:9s} bs={bs // KiB:>6} KiB procs={procs} {row['cache']:17s} "
                         f"bench-io {row['bench_io_mb_s']:9.1f} MB/s  fio {row['fio_mb_s']:9.1f} MB/s  "
-                        f"ratio {row['ratio']:.3f} {'ok' if row['within_10pct'] else 'OUTSIDE 10%'}",
+                        f"ratio {row['ratio']:.3f} {'ok' if row['within_10pct'] else 'OUTSIDE 10%'}  "
+                        f"spread bench-io {row['bench_io_spread']:.0%} fio {row['fio_spread']:.0%}",
                         flush=True,
                     )
     finally:
@@ -157,7 +165,12 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
         },
         "file_system": subprocess.run(["df", "-T", base], capture_output=True, text=True).stdout.split("\n")[1],
-        "config": {"file_size_mib": args.file_size, "rand_ops": args.rand_ops, "repeats": args.repeats},
+        "config": {
+            "file_size_mib": args.file_size,
+            "rand_ops": args.rand_ops,
+            "repeats": args.repeats,
+            "cache": args.cache,
+        },
         "rows": rows,
         "all_within_10pct": all(r["within_10pct"] for r in rows),
     }

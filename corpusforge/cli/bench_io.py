@@ -62,11 +62,19 @@ def _interrupt(signum, frame) -> None:  # SIGTERM (scancel, kill) cleans up like
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Max seconds per read pattern.")
 @click.option("--metadata-files", type=int, default=1000, show_default=True, help="Small files per process.")
 @click.option("--checkpoint-size", default="256M", show_default=True, help="Checkpoint bytes per process.")
-@click.option("--dataset", default=None, help="Token dataset PREFIX for replay/train [default: a synthetic one].")
+@click.option(
+    "--dataset", default=None, help="Token dataset PREFIX (or s3://...) for replay/train [default: a synthetic one]."
+)
 @click.option("--synthetic-tokens", default="16M", show_default=True, help="Size of the synthetic dataset.")
 @click.option("--seq-length", type=int, default=2048, show_default=True)
 @click.option("--micro-batch", type=int, default=8, show_default=True)
 @click.option("--loader-workers", type=int, default=0, show_default=True)
+@click.option(
+    "--remote-block-size",
+    default="256M",
+    show_default=True,
+    help="Replay/train from s3://: bytes per ranged GET of the loader's block cache.",
+)
 @click.option("--steps", type=int, default=50, show_default=True, help="Batches per process (replay, train).")
 @click.option("--compute-time", type=float, default=0.1, show_default=True, help="Train: emulated compute s/step.")
 @click.option("--max-accelerators", type=int, default=64, show_default=True)
@@ -110,6 +118,7 @@ def bench_io_cmd(
     seq_length,
     micro_batch,
     loader_workers,
+    remote_block_size,
     steps,
     compute_time,
     max_accelerators,
@@ -146,6 +155,7 @@ def bench_io_cmd(
             seq_length=seq_length,
             micro_batch=micro_batch,
             loader_workers=loader_workers,
+            remote_block_size=parse_size(remote_block_size),
             steps=steps,
             compute_time=compute_time,
             max_accelerators=max_accelerators,
@@ -176,7 +186,7 @@ def bench_io_cmd(
         report.print_table(run)
     if plot_out:
         with _report.clear_errors(also=(RuntimeError,)):
-            report.plot(run.results, plot_out)
+            report.plot(run.results, plot_out, run.config.target_utilization)
     line, status = report.verdict(run)
     click.echo(f"corpusforge bench-io: {line}", err=True)
     sys.exit(status)

@@ -10,8 +10,6 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
 PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train")
 DEFAULT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint", "replay")
-# What an object store (s3:// and other fsspec URLs) can run: no O_DIRECT, no mmap, no loader.
-OBJECT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint")
 
 
 class BenchConfigError(ValueError):
@@ -82,6 +80,10 @@ class BenchConfig:
     loader_workers: int = 0
     """DataLoader worker processes per loader (0: read in the loader's process)."""
 
+    remote_block_size: int = 256 * MiB
+    """Replay and train from an object store: bytes per ranged GET of the loader's block cache (the loader's own
+    default, corpusforge.storage.StorageConfig.block_size, as Megatron-Core's S3 reader)."""
+
     steps: int = 50
     """Batches per process for replay and per emulated accelerator for train."""
 
@@ -123,8 +125,8 @@ class BenchConfig:
             problems.append(f"layout {self.layout!r}: choose file-per-process or shared")
         if self.direct not in ("auto", "on", "off"):
             problems.append(f"direct {self.direct!r}: choose auto, on or off")
-        if any(b < 1 for b in self.block_sizes) or any(p < 1 for p in self.procs):
-            problems.append("block sizes and process counts must be positive")
+        if any(b < 1 for b in self.block_sizes) or any(p < 1 for p in self.procs) or self.remote_block_size < 1:
+            problems.append("block sizes (also --remote-block-size) and process counts must be positive")
         if self.file_size < max(self.block_sizes, default=1):
             problems.append(f"file size {self.file_size} is smaller than the largest block size")
         if self.file_size < self.sample_size:

@@ -3,8 +3,9 @@
 An object store has no O_DIRECT, no page cache on the client, no mmap: seq-read is a run of ranged GETs of
 `block_size` bytes, rand-read ranged GETs of `sample_size` at random offsets, seq-write one streamed (multipart)
 upload timed until it completes (an S3 PUT is durable once it returns), metadata PUT / HEAD / GET / DELETE of
-small objects, checkpoint one object per rank written and read back. The operations run in the same watched
-worker processes as on a file system.
+small objects, checkpoint one object per rank written and read back; replay and train read a dataset at a URL
+through the loader's own ranged block cache (the synthetic one is uploaded first). The operations run in the
+same watched worker processes as on a file system.
 """
 
 from __future__ import annotations
@@ -175,13 +176,21 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     return [write, read]
 
 
-PREPARE = {"seq-read": prepare_read_object, "rand-read": prepare_read_object}
+# replay and train are the loader's own reads, whatever the storage: the same functions as on a file system
+PREPARE = {
+    "seq-read": prepare_read_object,
+    "rand-read": prepare_read_object,
+    "replay": patterns.prepare_loader,
+    "train": patterns.prepare_loader,
+}
 MEASURE = {
     "seq-read": measure_seq_read,
     "rand-read": measure_rand_read,
     "seq-write": measure_seq_write,
     "metadata": measure_metadata,
     "checkpoint": measure_checkpoint,
+    "replay": patterns.measure_replay,
+    "train": patterns.measure_train,
 }
 
 
@@ -194,6 +203,7 @@ def _remove(url: str, options) -> None:
 def run_object_store(run: Run, url: str) -> None:
     """Every configured pattern on `url`; the run's objects live under URL/.corpusforge-bench-<id>/ and are removed."""
     import multiprocessing as mp
+    import shutil
     import uuid
 
     from corpusforge.iobench.runner import PathInfo
@@ -211,15 +221,7 @@ def run_object_store(run: Run, url: str) -> None:
     run.paths.append(info)
     try:
         for pattern in c.patterns:
-            sizes = c.block_sizes if pattern in ("seq-read", "seq-write") else (c.sample_size,)
-            failed = False
-            for procs in c.procs:
-                for bs in sizes:
-                    scratch = f"{root}/case-{len(run.results)}"
-                    case = Case(pattern, root, scratch, procs, run.ranks.world, bs, False, c)
-                    row = run.run_one(case, url, info, make_scratch=False)
-                    failed = failed or row.verdict in ("hung", "error")
-            if failed:
+            if not run.run_pattern(url, root, info, pattern):
                 break
     finally:
         run.ranks.barrier()
@@ -230,3 +232,4 @@ def run_object_store(run: Run, url: str) -> None:
             if proc.is_alive() or proc.exitcode:
                 proc.kill()
                 run.leftovers.append(root)
+        shutil.rmtree(patterns.local_dir(root), ignore_errors=True)  # the loaders' index caches, on every rank

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.iobench.config import BenchConfig
+from corpusforge.iobench.config import BenchConfig, is_url
 from corpusforge.pagecache import drop_page_cache
 
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks
@@ -349,12 +350,17 @@ def dataset_prefix(case: Case) -> str:
     return case.config.dataset or os.path.join(case.root, "data", "synthetic_text_document")
 
 
-def make_synthetic_dataset(prefix: str, tokens: int, seed: int) -> None:
-    """A uint16 token dataset of documents 100..4000 tokens long, for replay when the user names none."""
-    from corpusforge.indexed import IndexedDatasetWriter, exists
+def local_dir(root: str) -> str:
+    """Where a run keeps files that must be local (the loader's index caches): its run directory, or for an
+    object-store run a directory of the same name under the system's temporary directory."""
+    if not is_url(root):
+        return os.path.join(root, "data")
+    return os.path.join(tempfile.gettempdir(), os.path.basename(root.rstrip("/")))
 
-    if exists(prefix):
-        return
+
+def _write_synthetic(prefix: str, tokens: int, seed: int) -> None:
+    from corpusforge.indexed import IndexedDatasetWriter
+
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(100, 4000, max(1, tokens // 2000) + 1)
@@ -363,19 +369,46 @@ def make_synthetic_dataset(prefix: str, tokens: int, seed: int) -> None:
         w.add_documents(rng.integers(0, 50000, int(lengths.sum()), dtype=np.uint16), lengths)
 
 
+def make_synthetic_dataset(prefix: str, tokens: int, seed: int, storage_options: tuple = ()) -> None:
+    """A uint16 token dataset of documents 100..4000 tokens long, for replay when the user names none; a URL
+    prefix gets it written locally, then uploaded (.bin first: a reader finds the .idx only once both are there).
+
+    >>> make_synthetic_dataset("/tmp/x/synthetic_text_document", 200_000, seed=1)
+    """
+    from corpusforge.indexed import exists
+
+    if not is_url(prefix):
+        if not exists(prefix):
+            _write_synthetic(prefix, tokens, seed)
+        return
+    from corpusforge.iobench.objstore import filesystem
+
+    fs = filesystem(prefix, storage_options)
+    if fs.exists(f"{prefix}.idx"):
+        return
+    with tempfile.TemporaryDirectory(prefix="corpusforge-bench-") as tmp:
+        local = os.path.join(tmp, os.path.basename(prefix))
+        _write_synthetic(local, tokens, seed)
+        for ext in (".bin", ".idx"):
+            fs.put_file(local + ext, prefix + ext)
+
+
 def _loader(case: Case, slot: int, consumers: int):
-    """Rank `slot` of `consumers` over the dataset, as a training job would build it."""
-    from corpusforge.data import build_gpt_datasets, make_loader
+    """Rank `slot` of `consumers` over the dataset, as a training job would build it (an fsspec URL is read
+    through the loader's ranged block cache, with the run's storage options)."""
+    from corpusforge.data import StorageConfig, build_gpt_datasets, make_loader
 
     c = case.config
     needed = c.steps * c.micro_batch * consumers
+    storage = StorageConfig(block_size=c.remote_block_size, storage_options=dict(c.storage_options))
     train, _, _ = build_gpt_datasets(
         dataset_prefix(case),
         seq_length=c.seq_length,
         split="1,0,0",
         seed=c.seed,
         num_samples=(needed, None, None),
-        cache_dir=os.path.join(case.root, "data", "index-cache"),
+        cache_dir=os.path.join(local_dir(case.root), "index-cache"),
+        storage=storage,
     )
     return make_loader(train, c.micro_batch, dp_rank=slot, dp_world_size=consumers, num_workers=c.loader_workers)
 
@@ -386,7 +419,7 @@ def measure_replay(case: Case, slot: int, beat: Beat, compute: float = 0.0) -> l
     loader = _loader(case, slot, case.slots)
     itemsize = loader.dataset.indexed.dtype.itemsize if hasattr(loader.dataset, "indexed") else 2
     batches = iter(loader)
-    if c.drop_cache:
+    if c.drop_cache and not is_url(dataset_prefix(case)):  # a remote dataset starts with an empty block cache
         drop_page_cache(f"{dataset_prefix(case)}.bin")
     phase = Phase("step")
     lat, times, me = phase.latencies, beat.times, beat.local
@@ -409,6 +442,9 @@ def measure_replay(case: Case, slot: int, beat: Beat, compute: float = 0.0) -> l
     phase.end = time.perf_counter()
     phase.ops = len(lat)
     phase.extra["tokens"] = phase.extra["samples"] * c.seq_length
+    blocks = getattr(getattr(loader.dataset, "indexed", None), "blocks", None)  # a remote dataset's block cache
+    if blocks is not None and c.loader_workers == 0:  # with workers, each counts in its own process
+        phase.extra["fetched_bytes"], phase.extra["requests"] = blocks.bytes_fetched, blocks.requests
     if compute:
         # MLPerf Storage / DLIO accelerator utilisation: compute time over wall time, the first step left out.
         phase.extra["utilization"] = compute * (c.steps - 1) / max(phase.end - first_end, 1e-9)

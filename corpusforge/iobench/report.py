@@ -58,6 +58,7 @@ def to_json(run: Run) -> dict[str, Any]:
         "verdict": line,
         "exit_status": status,
         "environment": environment(),
+        "ranks": {"world": run.ranks.world, "launcher": run.ranks.launcher},
         "config": run.config.to_dict(),
         "paths": [p.to_dict() for p in run.paths],
         "summaries": [{"path": p, "summary": s} for p, s in run.summaries],
@@ -87,7 +88,7 @@ def rate(r: CaseResult) -> str:
     if r.pattern in ("replay", "train"):
         text = f"{r.extra.get('samples_s', 0):,.0f} smp/s {r.extra.get('tokens_s', 0) / 1e6:,.2f} Mtok/s"
         if "utilization" in r.extra:
-            text += f" AU {r.extra['utilization']:.0%}"
+            text += f" AU {r.extra['utilization']:.1%}"  # one decimal: 89.6% must not read as 90%
         return text
     text = f"{r.mb_s:,.1f} MB/s"
     if r.pattern == "rand-read":
@@ -163,16 +164,8 @@ def print_table(run: Run, console=None) -> None:
         console.print(f"left behind (storage not answering): {left}")
 
 
-def plot(results: list[CaseResult], out: str) -> None:
-    """Throughput against block size (or process count) per path and pattern, and the latency CDF of each row."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'corpusforge[bench]'") from None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+def _throughput_panel(ax, results: list[CaseResult]) -> None:
+    """MB/s against block size (a block-size sweep) or process count, one line per path and pattern."""
     series: dict[tuple, list[CaseResult]] = {}
     for r in results:
         if r.verdict in ("ok", "stalls") and r.pattern in ("seq-read", "seq-write", "rand-read"):
@@ -181,23 +174,88 @@ def plot(results: list[CaseResult], out: str) -> None:
     for (path, pattern), rows in series.items():
         x = [r.block_size / 1024 if sweep_bs else r.procs * r.ranks for r in rows]
         order = np.argsort(x)
-        left.plot(np.array(x)[order], np.array([r.mb_s for r in rows])[order], marker="o", label=f"{pattern} {path}")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("block size (KiB)" if sweep_bs else "processes")
-    left.set_ylabel("MB/s")
-    left.set_title("throughput")
-    left.legend(fontsize=7)
+        ax.plot(np.array(x)[order], np.array([r.mb_s for r in rows])[order], marker="o", label=f"{pattern} {path}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (KiB)" if sweep_bs else "processes")
+    ax.set_ylabel("MB/s")
+    ax.set_title("throughput")
+    ax.legend(fontsize=7)
+
+
+def _accelerator_panel(ax, trains: list[CaseResult], target: float) -> None:
+    """Train emulation: accelerator utilisation against emulated accelerators, per path, with the target line and
+    the largest count that met it (MLPerf Storage's answer to "how many GPUs does this path feed")."""
+    paths = list(dict.fromkeys(r.path for r in trains))
+    for path in paths:
+        rows = sorted((r for r in trains if r.path == path), key=lambda r: r.extra["accelerators"])
+        n = np.array([r.extra["accelerators"] for r in rows])
+        au = np.array([r.extra["utilization"] for r in rows]) * 100
+        (line,) = ax.plot(n, au, marker="o", label=path if len(paths) > 1 else "mean over accelerators")
+        low = np.array([r.extra.get("utilization_min", r.extra["utilization"]) for r in rows]) * 100
+        ax.fill_between(n, low, au, color=line.get_color(), alpha=0.15)  # the slowest accelerator's AU below
+        fed = rows[0].extra.get("fed_accelerators", 0)
+        if fed:
+            ax.axvline(fed, color=line.get_color(), linestyle=":")
+            last = fed == n.max()  # the label goes inside the axes, to the left of a line at the right edge
+            ax.annotate(
+                f"N = {fed}",
+                (fed, target * 100),
+                textcoords="offset points",
+                xytext=(-4 if last else 4, -14),
+                ha="right" if last else "left",
+                color=line.get_color(),
+            )
+    ax.axhline(target * 100, color="red", linestyle="--", label=f"target {target:.0%}")
+    ax.set_xscale("log", base=2)
+    counts = sorted({r.extra["accelerators"] for r in trains})
+    ax.set_xticks(counts, [str(k) for k in counts])  # 1, 2, 4, 6, 8 rather than 2^0, 2^1 ...
+    ax.minorticks_off()
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("emulated accelerators")
+    ax.set_ylabel("accelerator utilisation (%)")
+    ax.set_title("training emulation: accelerators fed")
+    ax.legend(fontsize=7)
+
+
+def _latency_panel(ax, results: list[CaseResult]) -> None:
     for r in results:
         if r.latencies is not None and len(r.latencies):
             lat = np.sort(r.latencies) * 1e3
             size = f" {human_bytes(r.block_size)}" if r.pattern in ("seq-read", "seq-write", "rand-read") else ""
             label = f"{r.pattern}/{r.phase}{size} x{r.procs * r.ranks} {r.path}"
-            right.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=label)
-    right.set_xscale("log")
-    right.set_xlabel("latency (ms)")
-    right.set_ylabel("fraction of operations")
-    right.set_title("latency CDF")
-    right.legend(fontsize=6)
+            ax.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("fraction of operations")
+    ax.set_title("latency CDF")
+    if ax.get_legend_handles_labels()[0]:  # rows loaded from JSON carry no latencies
+        ax.legend(fontsize=6)
+
+
+def plot(results: list[CaseResult], out: str, target_utilization: float = 0.9) -> None:
+    """A PNG for people: throughput against block size (or process count) when seq/rand patterns ran, accelerator
+    utilisation against accelerators when train ran, and the latency CDF of every row.
+
+    >>> plot(run.results, "bench.png", run.config.target_utilization)
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'corpusforge[bench]'") from None
+    ok = [r for r in results if r.verdict in ("ok", "stalls")]
+    trains = [r for r in ok if r.pattern == "train" and "utilization" in r.extra]
+    panels = []
+    if any(r.pattern in ("seq-read", "seq-write", "rand-read") for r in ok) or not trains:
+        panels.append(lambda ax: _throughput_panel(ax, results))
+    if trains:
+        panels.append(lambda ax: _accelerator_panel(ax, trains, target_utilization))
+    panels.append(lambda ax: _latency_panel(ax, results))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from corpusforge.iobench import guard, patterns
-from corpusforge.iobench.config import OBJECT_PATTERNS, BenchConfig, human_bytes, is_url
+from corpusforge.iobench.config import BenchConfig, human_bytes, is_url
 from corpusforge.iobench.ranks import Ranks
 from corpusforge.iobench.stats import CaseResult, aggregate
 
@@ -84,12 +84,25 @@ def cephfs_quota_free(path: str) -> int | None:
         p = os.path.dirname(p)
 
 
+def check_dataset(prefix: str, storage_options: tuple[tuple[str, str], ...]) -> None:
+    """Raise BenchError unless PREFIX.bin and PREFIX.idx exist (a local prefix or an fsspec URL)."""
+    names = [f"{prefix}.bin", f"{prefix}.idx"]
+    if is_url(prefix):
+        from corpusforge.iobench.objstore import filesystem
+
+        fs = filesystem(prefix, storage_options)
+        missing = [n for n in names if not fs.exists(n)]
+    else:
+        missing = [n for n in names if not os.path.isfile(n)]
+    if missing:
+        raise BenchError(f"dataset {prefix}: missing {' and '.join(missing)}; give a PREFIX of .bin/.idx")
+
+
 def check_path(path: str, config: BenchConfig, world: int) -> None:
     """Raise BenchError for a path the run cannot use, before anything is written there."""
+    if config.dataset and {"replay", "train"} & set(config.patterns):
+        check_dataset(config.dataset, config.storage_options)
     if is_url(path):
-        bad = [p for p in config.patterns if p not in OBJECT_PATTERNS]
-        if bad:
-            raise BenchError(f"{path}: pattern(s) {', '.join(bad)} need a file system path, not an object store URL")
         return
     try:
         os.stat(path)
@@ -115,12 +128,6 @@ def check_path(path: str, config: BenchConfig, world: int) -> None:
                 f"{path}: the run needs {human_bytes(need)} but the CephFS quota leaves {human_bytes(quota)}; "
                 "lower --file-size, --procs or --checkpoint-size, or raise ceph.quota.max_bytes"
             )
-    if config.dataset:
-        from corpusforge.indexed import bin_path, idx_path
-
-        missing = [str(p) for p in (bin_path(config.dataset), idx_path(config.dataset)) if not p.is_file()]
-        if missing:
-            raise BenchError(f"dataset {config.dataset}: missing {' and '.join(missing)}; give a PREFIX of .bin/.idx")
 
 
 def make_run_dir(path: str) -> str:
@@ -290,7 +297,9 @@ def cache_note(info: PathInfo, case: patterns.Case) -> str:
     c = case.config
     if case.pattern in ("metadata",):
         return "-"
-    if case.pattern in ("replay", "train"):
+    if case.pattern in ("replay", "train") and is_url(patterns.dataset_prefix(case)):
+        what = f"ranged GETs of {human_bytes(c.remote_block_size)} blocks, cold block cache per process"
+    elif case.pattern in ("replay", "train"):
         what = "fadvise DONTNEED on .bin" if c.drop_cache else "warm page cache"
     elif case.pattern == "seq-write":
         what = "O_DIRECT" if case.direct else "buffered + fsync (timed)"
@@ -368,7 +377,7 @@ class Run:
                 )
             self.paths.append(info)
             for pattern in c.patterns:
-                if not self._run_pattern(path, run_dir, info, pattern):
+                if not self.run_pattern(path, run_dir, info, pattern):
                     break
         finally:
             self.ranks.barrier()
@@ -387,7 +396,7 @@ class Run:
                 cases.append(patterns.Case(pattern, run_dir, scratch, procs, self.ranks.world, bs, direct, c))
         return cases
 
-    def _run_pattern(self, path: str, run_dir: str, info: PathInfo, pattern: str) -> bool:
+    def run_pattern(self, path: str, run_dir: str, info: PathInfo, pattern: str) -> bool:
         """Run every case of `pattern`; False when the path failed and its remaining patterns are skipped."""
         if pattern in ("replay", "train") and not self.config.dataset:
             self._synthetic(run_dir, info)
@@ -401,13 +410,13 @@ class Run:
                 return False
         return True
 
-    def run_one(self, case: patterns.Case, path: str, info: PathInfo, make_scratch: bool = True) -> CaseResult:
+    def run_one(self, case: patterns.Case, path: str, info: PathInfo) -> CaseResult:
         self.event(f"{path}: {case.pattern} procs={case.procs} bs={human_bytes(case.block_size)}")
         self.ranks.barrier()
         outcome = run_case(case, self.ranks.rank, self.on_event if self.ranks.rank == 0 else None)
         outcomes = self.ranks.gather(outcome)
         self.ranks.barrier()
-        if self.ranks.rank == 0 and make_scratch:
+        if self.ranks.rank == 0 and not is_url(case.scratch):  # objects go with the run's root, at the end
             remove_tree(case.scratch, case.config.hang_seconds)
         results = aggregate(case, path, outcomes, cache_note(info, case)) if self.ranks.rank == 0 else []
         results = self.ranks.broadcast(results)
@@ -417,9 +426,9 @@ class Run:
     def _synthetic(self, run_dir: str, info: PathInfo) -> None:
         prefix = os.path.join(run_dir, "data", "synthetic_text_document")
         if self.ranks.rank == 0:
-            self.event(f"writing a synthetic dataset of {self.config.synthetic_tokens:,} tokens for replay")
+            self.event(f"writing a synthetic dataset of {self.config.synthetic_tokens:,} tokens to {prefix}")
             limit = max(600.0, self.config.hang_seconds)
-            args = (prefix, self.config.synthetic_tokens, self.config.seed)
+            args = (prefix, self.config.synthetic_tokens, self.config.seed, self.config.storage_options)
             guard.call(patterns.make_synthetic_dataset, *args, timeout=limit, what=f"writing {prefix}")
         self.ranks.barrier()
 

@@ -85,6 +85,9 @@ def _merge(case: Case, path: str, name: str, per_rank: list[list[Phase]], cache:
     for key in ("samples", "tokens"):
         if any(key in p.extra for p in phases):
             extra[f"{key}_s"] = sum(p.extra.get(key, 0) for p in phases) / max(seconds, 1e-12)
+    for key in ("fetched_bytes", "requests"):  # what a remote dataset's loader fetched over the network
+        if any(key in p.extra for p in phases):
+            extra[key] = sum(p.extra.get(key, 0) for p in phases)
     if any("utilization" in p.extra for p in phases):
         utils = [p.extra["utilization"] for p in phases]
         extra.update(utilization=float(np.mean(utils)), utilization_min=float(np.min(utils)), accelerators=len(utils))

@@ -1,3 +1,3 @@
 """Fixtures of the bench-io tests (defined in iobench_helpers, next to the helpers they use)."""
 
-from iobench_helpers import slowfs, tmpfs  # noqa: F401 - pytest finds fixtures by name here
+from iobench_helpers import slowfs, slurm, throttled_disk, tmpfs  # noqa: F401 - pytest finds fixtures by name here

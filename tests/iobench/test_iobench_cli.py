@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 
+import numpy as np
 import pytest
 from iobench_helpers import CLI, cli
 
@@ -228,3 +229,57 @@ def test_stopped_fuse_daemon_hang_is_reported_and_the_run_ends(slowfs):
     assert doc["results"][-1]["verdict"] == "hung"
     # What the hung mount did not let it remove is named, and removable once the storage answers again.
     assert doc["leftovers"] and all(os.path.basename(p).startswith(".corpusforge-bench-") for p in doc["leftovers"])
+
+
+@pytest.mark.slow
+def test_train_plot_draws_utilisation_against_accelerators(tmp_path):
+    """--plot with the train pattern: a panel of accelerator utilisation against N, the 90% target as a red dashed
+    line, the found N marked; the PNG is read back and looked at, not only found."""
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is installed in CI")
+    import matplotlib.image
+
+    out = tmp_path / "out"
+    out.mkdir()
+    png, report = tmp_path / "train.png", tmp_path / "r.json"
+    loader = ["--synthetic-tokens", "200k", "--seq-length", "256", "--micro-batch", "2", "--steps", "4"]
+    train = ["--compute-time", "0.05", "--max-accelerators", "2"]
+    proc = cli(str(out), "--pattern", "train", *loader, *train, "--plot", str(png), "--json", str(report))
+    assert proc.returncode in (0, 4), proc.stderr  # 4: stalls, which a loaded 2-core machine may show
+    doc = json.loads(report.read_text())
+    tried = sorted(r["extra"]["accelerators"] for r in doc["results"])
+    assert tried[0] == 1 and len(tried) >= 2
+    image = matplotlib.image.imread(png)  # (H, W, RGBA) floats
+    assert image.shape[:2] == (550, 1430)  # two panels (accelerators, latency CDF) of 6.5 x 5 in at 110 dpi
+    rgb = image[..., :3]
+    red = (rgb[..., 0] > 0.9) & (rgb[..., 1] < 0.15) & (rgb[..., 2] < 0.15)
+    left = red[:, : image.shape[1] // 2]
+    assert left.sum() > 100 and not red[:, image.shape[1] // 2 :].any()  # the target line, in the left panel only
+    row = np.argmax(left.sum(axis=1))  # the line's pixel row: at 90% of the 0..105 axis, near the top
+    assert row < image.shape[0] * 0.35, row
+    ink = (rgb < 0.9).any(axis=-1).mean()
+    assert 0.02 < ink < 0.6  # drawn on, not blank and not a solid block
+    assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_a_cgroup_io_throttle_shows_as_the_measured_rate(throttled_disk):
+    """A real block-I/O throttle (cgroup io.max / blkio.throttle) on a loop device: bench-io, run inside the
+    cgroup, reports the throttled rates within 15%; unthrottled, the same device is much faster."""
+    read_bps, write_bps = 16 << 20, 12 << 20
+    point, wrap = throttled_disk(read_bps, write_bps)
+    args = [str(point), "--pattern", "seq-write", "--pattern", "seq-read", "--file-size", "32M", "--block-size", "1M"]
+
+    def rates(cmd: list[str]) -> dict[str, float]:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert all(r["cache"] == "O_DIRECT" for r in doc["results"])  # the page cache cannot hide the disk
+        return {r["pattern"]: r["mb_s"] * 1e6 for r in doc["results"]}
+
+    free = rates([*CLI, *args, "--json", "-"])
+    throttled = rates(wrap([*CLI, *args, "--json", "-"]))
+    print(f"limits read {read_bps / 1e6:.1f} write {write_bps / 1e6:.1f} MB/s; throttled {throttled}; free {free}")
+    assert throttled["seq-read"] == pytest.approx(read_bps, rel=0.15), (throttled, free)
+    assert throttled["seq-write"] == pytest.approx(write_bps, rel=0.15), (throttled, free)
+    assert free["seq-read"] > 2 * read_bps and free["seq-write"] > 2 * write_bps, free
+    assert os.listdir(point) == ["lost+found"]

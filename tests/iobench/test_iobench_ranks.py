@@ -52,3 +52,19 @@ def test_two_ranks_aggregate_on_rank_0(tmp_path):
     assert rows["rand-read"]["ops"] == 2 * 100
     assert proc.stdout.count("corpusforge bench-io") == 1  # one report, from rank 0
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, ("single", 0, 1)),
+        ({"RANK": "3", "WORLD_SIZE": "4"}, ("torchrun", 3, 4)),
+        ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, ("srun", 1, 2)),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, ("single", 0, 1)),  # a batch script's own process
+        ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, ("torchrun", 1, 2)),
+    ],
+)
+def test_launch_env(env, expected):
+    from corpusforge.iobench.ranks import launch_env
+
+    assert launch_env(env) == expected

@@ -123,9 +123,9 @@ def test_object_store_url_runs_the_read_and_write_patterns():
     assert rows(run, "rand-read")[0].ops == config.rand_ops
 
 
-def test_object_store_refuses_file_system_patterns():
-    with pytest.raises(BenchError, match="need a file system path"):
-        run_bench(tiny("memory://bench", patterns=("replay",)))
+def test_a_missing_dataset_url_is_refused_before_any_work():
+    with pytest.raises(BenchError, match="dataset memory://nope/corpus: missing memory://nope/corpus.bin"):
+        run_bench(tiny("memory://bench", patterns=("replay",), dataset="memory://nope/corpus"))
 
 
 def _stuck(case, slot, beat):
