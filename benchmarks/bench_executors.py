@@ -18,9 +18,15 @@ which a cluster's rate follows. `seconds` is the CLI's own timer (from the call 
 connecting to Ray and starting its workers included), `wall` the process from start to exit; the median of the
 rounds is reported. The outputs of every run must be byte-identical (sha256 of .bin and .idx) or the run fails.
 
-The merge of the parts into one dataset runs in the driver, one stream, overlapped with tokenizing; its rate
-(timed here with corpusforge.indexed.merge on the output, onto the same disk) caps a cluster's rate:
-expected input MB/s on N nodes of C cores = min(N x C x per-shard MB/s, merge ceiling), plus the fixed start-up.
+Rounds alternate the order of the variants, and the Ray overhead is also given per round (ray / local - 1 of
+the same round), whose median and range say how far the machine's other load moved the figure.
+
+The parts are copied into the final .bin at their offsets as they finish, overlapped with tokenizing: on one
+node by the driver's threads, on several by the nodes themselves (preprocess's _PartMerger), so the copying
+no longer funnels through one process. Its rate per node (corpusforge.indexed.merge of the output, onto the same
+disk) and the per-shard rate give the expected scaling: input MB/s on N nodes of C cores = min(N x C x per-shard
+MB/s, N x per-node copy ceiling, the shared file system's write bandwidth, which is not measured here), plus the
+fixed start-up.
 
 Prints a table; writes everything, with the machine, versions and git commit, as JSON.
 """
@@ -112,7 +118,8 @@ class RayCluster:
 
 
 def merge_rate(dataset: Path, work: Path) -> dict:
-    """corpusforge.indexed.merge of `dataset` twice into one, onto the same disk: the driver's merge stream, GB/s."""
+    """corpusforge.indexed.merge of `dataset` twice into one, onto the same disk, with the streams preprocess uses
+    on one node: what one node copies into place, GB/s."""
     from corpusforge import indexed
 
     out = work / "merge-probe"
@@ -122,7 +129,8 @@ def merge_rate(dataset: Path, work: Path) -> dict:
     nbytes = 2 * (indexed.bin_path(dataset).stat().st_size + indexed.idx_path(dataset).stat().st_size)
     for path_of in (indexed.bin_path, indexed.idx_path):
         path_of(out).unlink()
-    return {"bytes": nbytes, "seconds": round(seconds, 3), "gb_s": round(nbytes / 1e9 / seconds, 3)}
+    gb_s = round(nbytes / 1e9 / seconds, 3)
+    return {"bytes": nbytes, "seconds": round(seconds, 3), "gb_s": gb_s, "streams": indexed.MERGE_STREAMS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     variants = (("local", ["--workers", w]), ("ray", ["--executor", "ray", "--ray-address", "auto"]))
     with RayCluster(args.workers):
         for r in range(args.repeats):
-            for name, extra in variants:
+            for name, extra in variants if r % 2 == 0 else variants[::-1]:
                 runs[name].append(run_cli(corpus, work / f"{name}-{r}", extra))
                 print(f"round {r + 1}: {name:8s} {runs[name][-1]['seconds']:7.2f} s", flush=True)
-            for name, extra in variants if small else ():
+            for name, extra in (variants if r % 2 == 0 else variants[::-1]) if small else ():
                 runs[f"{name}-small"].append(run_cli(small, work / f"{name}-small-{r}", extra))
                 print(f"round {r + 1}: {name}-small {runs[f'{name}-small'][-1]['seconds']:7.2f} s", flush=True)
     # after the cluster is gone: preprocess must start a Ray of its own
@@ -200,6 +208,10 @@ def summarize(args, corpus, corpus_stats, machine, runs, single, merge, identica
         v["overhead"] = round(v["seconds"] / local["seconds"] - 1, 4)
         v["overhead_wall"] = round(v["wall_s"] / local["wall_s"] - 1, 4)
         v["extra_seconds"] = round(v["seconds"] - local["seconds"], 3)
+    # paired: each round's Ray run against that round's local run, which saw about the same load
+    paired = sorted(x["seconds"] / y["seconds"] - 1 for x, y in zip(runs["ray"], runs["local"]))
+    variants["ray"]["overhead_per_round"] = [round(x, 4) for x in paired]
+    variants["ray"]["overhead_per_round_median"] = round(statistics.median(paired), 4)
     marginal = None
     if small_bytes:  # seconds per extra MB, each executor: the overhead with the start-up taken out
         mb = (file_bytes - small_bytes) / MB
@@ -218,14 +230,15 @@ def summarize(args, corpus, corpus_stats, machine, runs, single, merge, identica
         }
     per_shard = file_bytes / MB / single["seconds"]  # one worker, one shard at a time
     per_worker_ray = variants["ray"]["file_mb_s"] / args.workers
-    # the merge stream carries the tokens (and index): input MB/s at which one driver's merge is saturated
+    # the copy into place carries the tokens (and index): input MB/s at which one node's copying is saturated;
+    # every node copies its share of the parts, so the ceiling grows with the nodes (up to the file system's)
     merge_ceiling = merge["gb_s"] * 1e3 * file_bytes / tokens_bytes
     scaling = [
         {
             "nodes": n,
             "cores": n * args.cores_per_node,
-            "expected_mb_s": round(min(n * args.cores_per_node * per_shard, merge_ceiling)),
-            "bound": "merge" if n * args.cores_per_node * per_shard > merge_ceiling else "tokenizing",
+            "expected_mb_s": round(min(n * args.cores_per_node * per_shard, n * merge_ceiling)),
+            "bound": "merge" if args.cores_per_node * per_shard > merge_ceiling else "tokenizing",
         }
         for n in (1, 2, 4, 8, 16)
     ]
@@ -243,7 +256,7 @@ def summarize(args, corpus, corpus_stats, machine, runs, single, merge, identica
         },
         "per_worker_mb_s": {"local_1_worker": round(per_shard, 1), "ray": round(per_worker_ray, 1)},
         "marginal": marginal,
-        "merge": {**merge, "ceiling_input_mb_s": round(merge_ceiling)},
+        "merge": {**merge, "ceiling_input_mb_s_per_node": round(merge_ceiling)},
         "scaling": {"cores_per_node": args.cores_per_node, "rows": scaling},
         "target": {"overhead": f"< {TARGET_OVERHEAD:.0%}", "met": variants["ray"]["overhead"] < TARGET_OVERHEAD},
         "check": {"identical": identical, "sha256": single["sha256"]},
@@ -272,14 +285,17 @@ def print_table(report: dict) -> None:
     s = report["single_worker"]
     print(f"{'1 worker':10s} {s['seconds']:8.2f} {'':8s} {s['file_mb_s']:8.1f}   (per-shard rate)")
     m = report["merge"]
-    print(f"\ndriver merge: {m['gb_s']} GB/s of tokens = input ceiling {m['ceiling_input_mb_s']:,} MB/s")
+    ceiling = m["ceiling_input_mb_s_per_node"]
+    print(f"\ncopy into place: {m['gb_s']} GB/s of tokens per node = input ceiling {ceiling:,} MB/s per node")
     print(f"expected on N nodes x {report['scaling']['cores_per_node']} cores (this machine's per-shard rate):")
     for row in report["scaling"]["rows"]:
         print(f"  {row['nodes']:3d} nodes  {row['expected_mb_s']:8,} MB/s  ({row['bound']}-bound)")
     t = report["target"]
+    rounds = ", ".join(f"{x:+.1%}" for x in v["ray"]["overhead_per_round"])
     print(
-        f"\nRay overhead {v['ray']['overhead']:+.1%}, target {t['overhead']}: {'met' if t['met'] else 'NOT met'}; "
-        f"outputs identical: {report['check']['identical']}"
+        f"\nRay overhead {v['ray']['overhead']:+.1%} (medians), "
+        f"{v['ray']['overhead_per_round_median']:+.1%} (median of rounds: {rounds}), "
+        f"target {t['overhead']}: {'met' if t['met'] else 'NOT met'}; outputs identical: {report['check']['identical']}"
     )
 
 

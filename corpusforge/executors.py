@@ -10,7 +10,11 @@ they write their own output atomically, so running one twice is harmless. That i
             the pool is rebuilt and every unfinished task resubmitted, at most `retries` times.
     ray     one Ray task per item (`num_cpus=1`), retried by Ray when its worker or node dies
             (`max_retries`). Tasks may run on other machines, so every path must be absolute and on a file
-            system all nodes share. Progress arrives per finished task (from the results).
+            system all nodes share. Progress arrives per finished task (from the results). Ray starts new
+            worker processes for every job (1-2 s); until they are up, the driver runs tasks itself (a share).
+
+Besides tasks, `submit(fn, item)` starts a short I/O step (preprocess copies finished parts into place with
+it): on a thread of the calling process (local), or as a zero-CPU Ray task spread over the nodes (ray).
 
 An exception raised by `fn` itself (bad input, disk full) is not retried by either: it would fail again. It
 is raised to the caller as the original exception, with the unfinished tasks cancelled.
@@ -31,7 +35,7 @@ import socket
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -88,6 +92,16 @@ class Executor(ABC, Generic[T, R]):
     ) -> Iterator[tuple[T, R]]:
         """Call `fn(item, ctx)` for every item; yield `(item, result)` in completion order."""
 
+    @property
+    def nodes(self) -> int:
+        """Machines the tasks run on."""
+        return 1
+
+    @abstractmethod
+    def submit(self, fn: Callable[[T], R], item: T) -> Future:
+        """Start `fn(item)`, a short I/O step (copying a finished part into place), beside the running tasks
+        and without taking a task's core; a Future of its result, whose exception is the step's own."""
+
 
 def make_executor(
     name: str = "local",
@@ -128,10 +142,22 @@ class LocalExecutor(Executor):
     def __init__(self, workers: int = 0, retries: int = 2) -> None:
         self._workers = workers or available_cores()
         self.retries = retries
+        self._io: ThreadPoolExecutor | None = None
 
     @property
     def workers(self) -> int:
         return self._workers
+
+    def submit(self, fn: Callable[[T], R], item: T) -> Future:
+        # A thread of this process: on one machine it is as near the disk as any worker, and it needs no fork.
+        if self._io is None:
+            self._io = ThreadPoolExecutor(self._workers, thread_name_prefix="corpusforge-io")
+        return self._io.submit(fn, item)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True, cancel_futures=True)
+            self._io = None
 
     def run(
         self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
@@ -298,6 +324,28 @@ class RayExecutor(Executor):
             return self._workers
         return max(1, int(import_ray().cluster_resources().get("CPU", 1)))
 
+    @property
+    def nodes(self) -> int:
+        return max(1, sum(1 for node in import_ray().nodes() if node.get("Alive")))
+
+    def submit(self, fn: Callable[[T], R], item: T) -> Future:
+        ray = import_ray()
+        # num_cpus=0: it moves bytes, so it runs at once beside the tokenizing tasks instead of queueing behind
+        # them; SPREAD: steps go to every node in turn, so the copying bandwidth grows with the cluster.
+        step = ray.remote(_run_step).options(num_cpus=0, scheduling_strategy="SPREAD", max_retries=self.retries)
+        out: Future = Future()
+        what = f"step {getattr(fn, '__name__', fn)}"
+
+        def settle(done: Future) -> None:  # on a Ray thread: no ray.get here, only the finished future
+            e = done.exception()
+            if e is None:
+                out.set_result(done.result())
+            else:
+                out.set_exception(_ray_error(ray, e, what, self.retries))
+
+        step.remote(fn, item).future().add_done_callback(settle)
+        return out
+
     def run(
         self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
     ) -> Iterator[tuple[T, R]]:
@@ -306,40 +354,67 @@ class RayExecutor(Executor):
         # itself is not retried (retry_exceptions=False), as in the local executor.
         task = ray.remote(_run_on_ray).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
         fn_ref = ray.put(fn)  # shipped once, not with every task
-        # On a cluster with --workers, at most that many in flight; else all at once, and Ray runs them on free
-        # CPUs in submission order, which is the order the caller merges in.
-        window = self._workers if self._workers and not self._own_cpus else len(items)
+        # On a cluster with --workers, at most that many in flight. Else twice as many as run at once: a worker
+        # that finishes finds its next task queued, and the rest stay here, where the driver can still take one
+        # (below). Ray runs them in submission order, which is the order the caller merges in.
+        window = self._workers if self._workers and not self._own_cpus else 2 * self.workers
         queued = list(enumerate(items))[::-1]
         pending: dict = {}
+        share = len(items) // (self.workers + 1)  # tasks the driver may run while the workers start
         try:
             while queued or pending:
                 while queued and len(pending) < window:
                     pos, item = queued.pop()
                     pending[task.remote(fn_ref, item)] = pos
+                if queued and share > 0 and self._workers_starting(ray):
+                    # A Ray worker process takes 1-2 s to start and import (per job: Ray does not keep them
+                    # between jobs); rather than wait for them idle, the driver runs tasks itself meanwhile, as
+                    # one more worker: never more than a worker's share, so the cluster still does the bulk.
+                    share -= 1
+                    pos, item = queued.pop()
+                    yield items[pos], fn(item, TaskContext(None, threads=1))
+                    continue
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     pos = pending.pop(ref)
-                    yield items[pos], _ray_result(ray, ref, pos, self.retries)
+                    yield items[pos], _ray_result(ray, ref, f"task {pos}", self.retries)
         finally:
             for ref in pending:  # after an error: stop the rest (a running task gets KeyboardInterrupt)
                 ray.cancel(ref)
 
+    def _workers_starting(self, ray) -> bool:
+        """Whether the cluster's workers are still starting: some warm-up (see __enter__) has not finished."""
+        if self._warming:
+            _, self._warming = ray.wait(self._warming, num_returns=len(self._warming), timeout=0)
+        return bool(self._warming)
 
-def _ray_result(ray, ref, pos: int, retries: int):
+
+def _ray_result(ray, ref, what: str, retries: int):
     """The task's result; its own exception as itself (one line for the CLI), a lost worker as ExecutorError."""
     try:
         return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        raise (e.cause if isinstance(e.cause, Exception) else e) from e
     except ray.exceptions.RayError as e:
-        raise ExecutorError(
-            f"task {pos} failed {retries + 1} times on Ray ({type(e).__name__}: its worker or node died); "
-            "finished parts are kept: rerun with --resume"
-        ) from None
+        raise _ray_error(ray, e, what, retries) from (e if isinstance(e, ray.exceptions.RayTaskError) else None)
+
+
+def _ray_error(ray, e: BaseException, what: str, retries: int) -> BaseException:
+    """What a Ray failure means here: the task's own exception, or a lost worker (one line with the fix)."""
+    if not isinstance(e, ray.exceptions.RayError):
+        return e
+    if isinstance(e, ray.exceptions.RayTaskError):
+        return e.cause if isinstance(e.cause, Exception) else e
+    return ExecutorError(
+        f"{what} failed {retries + 1} times on Ray ({type(e).__name__}: its worker or node died); "
+        "finished parts are kept: rerun with --resume"
+    )
 
 
 def _warm_up(fn: Callable[[], object]) -> None:
     fn()
+
+
+def _run_step(fn: Callable[[T], R], item: T) -> R:
+    return fn(item)
 
 
 def _run_on_ray(fn: TaskFn, item: T) -> R:

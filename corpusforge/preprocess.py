@@ -2,9 +2,11 @@
 
 The input is cut into tasks (see `sources`); each task is tokenized by a worker process into its own part,
 `{prefix}.parts/part-NNNNN_{key}_document.bin/.idx`, finished atomically and then marked done by
-`part-NNNNN.done.json` (its statistics). When every part is done they are concatenated, in task order, into
-`{prefix}_{key}_document.bin/.idx` (written under temporary names and renamed), the resolved configuration
-and statistics go to `{prefix}.preprocess.json`, and the parts directory is removed.
+`part-NNNNN.done.json` (its statistics). A part's place in `{prefix}_{key}_document.bin` is the sum of the sizes
+of the parts before it, so as soon as those are done it is copied straight there, several at once, while the
+other tasks tokenize (by threads here, or by the nodes of a multi-node Ray cluster); at the end the .idx is
+built from the parts' lengths, both files are fsynced once and renamed from their temporary names, the resolved
+configuration and statistics go to `{prefix}.preprocess.json`, and the parts directory is removed.
 
 A killed run leaves finished parts and no final files; `resume=True` checks that the parts were made from
 the same inputs, keys and tokenizer (the manifest), and tokenizes only the missing tasks. Because the
@@ -27,7 +29,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -74,6 +76,9 @@ class PreprocessConfig:
     with `workers` CPUs (or every core)."""
     retries: int = 2
     """Times a task is run again when its worker process (or Ray node) dies; a task that raises is not retried."""
+    merge_on_workers: bool | None = None
+    """Copy finished parts into the final .bin from the executor's nodes (each at its offset, in parallel) rather
+    than from this process. None: when the executor spans more than one machine."""
 
     def output_prefixes(self) -> list[str]:
         return [f"{self.output_prefix}_{key}_document" for key in self.json_keys]
@@ -186,7 +191,7 @@ def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: f
         plan = Progress(0, 0, resumed_bytes, sum(t.size for t in tasks), len(tasks) - len(todo), len(tasks))
         on_progress = _with_plan(on_progress, plan)
     results = dict((i, r) for i, r in done.items() if r is not None)
-    merger = _PartMerger(config, parts, tasks, dtype)
+    merger = _PartMerger(config, parts, tasks, dtype, executor)
     try:
         for index in results:
             merger.part_done(index)
@@ -292,11 +297,15 @@ def _read_done(parts: Path, index: int) -> dict | None:
 
 def _write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written marker behind
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,7 +322,7 @@ class _Job:
 
 
 def _run_tasks(job: _Job, todo: list, executor: Executor, on_progress, merger: _PartMerger) -> dict[int, dict]:
-    """Run the missing tasks on `executor`; append each part to the final files as soon as it is next in line."""
+    """Run the missing tasks on `executor`; place each part in the final files once the parts before it are done."""
     if not todo:
         return {}
     if executor.remote:  # tasks may run on other machines: name the inputs the same way on every node
@@ -322,7 +331,7 @@ def _run_tasks(job: _Job, todo: list, executor: Executor, on_progress, merger: _
     try:
         for task, result in executor.run(partial(_run_task, job), todo, on_progress):
             results[task.index] = result
-            merger.part_done(task.index)  # the parent appends parts while the workers tokenize
+            merger.part_done(task.index)  # parts are copied into place while the workers tokenize
             if on_progress:
                 on_progress(_task_finished(result, streamed=executor.streams_progress))
     finally:
@@ -470,16 +479,24 @@ def _combine(results: dict[int, dict], tasks, config, tokenizer, workers, dtype)
 
 
 class _PartMerger:
-    """Appends finished parts to the final datasets in task order, as soon as each is next in line, so that
-    concatenating overlaps tokenizing. Writes under temporary names; `finish()` renames, `discard()` removes."""
+    """Places finished parts in the final datasets, in task order, while the workers tokenize.
 
-    def __init__(self, config: PreprocessConfig, parts: Path, tasks: list, dtype) -> None:
-        self.keys, self.finals, self.parts = config.json_keys, config.output_prefixes(), parts
+    A part's offset in the final .bin is the sum of the sizes of the parts before it, known as soon as those are
+    done; from then on it is copied straight to that offset, several parts at once (indexed.DatasetConcatenator),
+    and the .idx is built from the parts' lengths at the end, with one fsync. On one machine the copies run on
+    threads of this process. When the executor spans several machines, its nodes copy instead (each part from
+    the next node in turn, fsynced there), so the copying bandwidth grows with the cluster rather than funnelling
+    through this one process. Writes under temporary names; `finish()` renames, `discard()` removes."""
+
+    def __init__(self, config: PreprocessConfig, parts: Path, tasks: list, dtype, executor: Executor) -> None:
+        self.keys, self.parts = config.json_keys, Path(os.path.abspath(parts))  # absolute: other nodes may copy
+        self.finals = [os.path.abspath(p) for p in config.output_prefixes()]
         self.order = [t.index for t in tasks]
-        self.dtype = dtype
+        self.dtype, self.executor, self.on_workers = dtype, executor, config.merge_on_workers
         self.done: set[int] = set()
         self.next = 0
-        self.writers: list[indexed.IndexedDatasetWriter] | None = None
+        self.concatenators: list[indexed.DatasetConcatenator] | None = None
+        self.remote_copies: list[Future] = []
 
     def _part(self, index: int, key: str) -> Path:
         return self.parts / f"part-{index:05d}_{key}_document"
@@ -489,12 +506,23 @@ class _PartMerger:
         if len(self.order) == 1:
             return  # one part is already the whole dataset: finish() renames it, no copy
         while self.next < len(self.order) and self.order[self.next] in self.done:
-            if self.writers is None:  # opened late: never before the workers fork
-                self.writers = [indexed.IndexedDatasetWriter(f, self.dtype) for f in self.finals]
-            for key, writer in zip(self.keys, self.writers):
-                writer.add_dataset(self._part(self.order[self.next], key))
-                writer.start_writeback()
+            if self.concatenators is None:
+                self._open()  # late: never before the local workers fork
+            for key, cat in zip(self.keys, self.concatenators):
+                placement = cat.add(self._part(self.order[self.next], key))
+                if self.on_workers:
+                    place = partial(indexed.place, dest=cat.bin_tmp, durable=True)
+                    self.remote_copies.append(self.executor.submit(place, placement))
             self.next += 1
+        for copy in self.remote_copies:  # a full disk on a node stops the run now, not at the end
+            if copy.done() and copy.exception() is not None:
+                raise copy.exception()
+
+    def _open(self) -> None:
+        if self.on_workers is None:
+            self.on_workers = self.executor.nodes > 1
+        streams = 0 if self.on_workers else indexed.MERGE_STREAMS
+        self.concatenators = [indexed.DatasetConcatenator(f, self.dtype, streams) for f in self.finals]
 
     def finish(self) -> None:
         if len(self.order) == 1:
@@ -503,10 +531,13 @@ class _PartMerger:
                     os.replace(path_of(self._part(self.order[0], key)), path_of(final))
             indexed.fsync_dir(Path(self.finals[0]).parent)
             return
-        assert self.writers is not None and self.next == len(self.order), "finish() before every part was merged"
-        for writer in self.writers:
-            writer.finalize()
+        assert self.concatenators is not None and self.next == len(self.order), "finish() before every part was placed"
+        for copy in self.remote_copies:
+            copy.result()
+        for cat in self.concatenators:
+            cat.finalize()
 
     def discard(self) -> None:
-        for writer in self.writers or []:
-            writer.discard()
+        wait(self.remote_copies, timeout=60)  # copies on other nodes end before their file is removed
+        for cat in self.concatenators or []:
+            cat.discard()

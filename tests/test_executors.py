@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -164,6 +165,56 @@ def test_ray_worker_sigkilled_mid_job_still_gives_identical_output(tmp_path, ray
     assert files_of(f"{prefix}_text_document") == files_of(f"{tmp_path}/whole_text_document")
     summary = json.loads(out)
     assert summary["executor"] == "ray" and summary["documents"] == 20000
+
+
+@pytest.mark.slow
+def test_ray_steps_run_on_workers_and_nodes_copy_parts_into_place(tmp_path, ray_installed):
+    """submit() runs a step in a Ray worker and raises its error as itself; with merge_on_workers the workers copy
+    every part into the final .bin (this process copies nothing), and the bytes equal a local run's."""
+    import logging
+
+    import ray
+
+    from corpusforge.preprocess import PreprocessConfig, preprocess
+
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(3000, seed=5))
+    run("preprocess", src, "--output-prefix", tmp_path / "local", "--workers", "1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        with make_executor("ray") as ex:
+            assert ex.nodes == 1 and ex.workers == 2
+            # /proc/self names the process that reads it
+            assert ex.submit(os.readlink, "/proc/self").result(timeout=60) != str(os.getpid())
+            with pytest.raises(FileNotFoundError):
+                ex.submit(os.readlink, str(tmp_path / "nothing")).result(timeout=60)
+        config = PreprocessConfig(
+            inputs=(str(src),), output_prefix=str(tmp_path / "placed"), executor="ray", task_bytes=20_000,
+            merge_on_workers=True,
+        )  # fmt: skip
+        stats = preprocess(config)
+    finally:
+        ray.shutdown()
+    assert stats.tasks > 10 and stats.executor == "ray"
+    assert files_of(f"{tmp_path}/placed_text_document") == files_of(f"{tmp_path}/local_text_document")
+    assert not list(tmp_path.glob("*.tmp")) and not Path(f"{tmp_path}/placed.parts").exists()
+
+
+def pid_of_task(item: int, ctx: TaskContext) -> tuple[int, int]:
+    return item, os.getpid()
+
+
+@pytest.mark.slow
+def test_ray_driver_runs_its_share_of_tasks_while_its_workers_start(ray_installed):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this test module
+    # workers slow to come up (a warm-up that sleeps 3 s): the driver runs a worker's share of the 9 tasks (3 of
+    # them, as one of 2 + 1 workers) instead of waiting, and the Ray workers the rest
+    with make_executor("ray", workers=2, warm_up=partial(time.sleep, 3)) as ex:
+        done = dict(ex.run(pid_of_task, list(range(9))))
+    assert sorted(item for item, _ in done.values()) == list(range(9))
+    ran_here = [item for item, (_, pid) in done.items() if pid == os.getpid()]
+    assert len(ran_here) == 3, ran_here
 
 
 def _kill_when_busy(proc: subprocess.Popen, parts: Path, is_worker, timeout: float = 120) -> list[int]:

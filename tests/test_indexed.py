@@ -5,6 +5,7 @@ megatron-core is imported only here, inside the tests: the package itself never 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import struct
@@ -203,6 +204,89 @@ def test_merge_equals_megatron_add_index(tmp_path, mcore):
     merged = IndexedDataset(tmp_path / "merged")
     merged.validate()
     np.testing.assert_array_equal(merged.tokens, np.concatenate([d.tokens for d in inputs]))
+
+
+def megatron_concatenation(mcore, parts: list[Path], out: Path, dtype) -> tuple[bytes, bytes]:
+    b = mcore.IndexedDatasetBuilder(str(out) + ".bin", dtype=dtype)
+    for p in parts:
+        b.add_index(str(p))
+    b.finalize(str(out) + ".idx")
+    return Path(f"{out}.bin").read_bytes(), Path(f"{out}.idx").read_bytes()
+
+
+def many_parts(tmp_path: Path, dtype=np.int32, sizes=(300, 0, 1, 700, 5, 0, 1200, 40, 900, 2)) -> list[Path]:
+    """Parts of very different sizes, empty ones included, so that parallel copies finish out of order."""
+    parts = []
+    for k, n in enumerate(sizes):
+        prefix = tmp_path / f"part{k}"
+        write_ours(prefix, make_documents(100 + k, max(n, 2), 100000)[:n], dtype)
+        parts.append(prefix)
+    return parts
+
+
+@pytest.fixture(scope="module")
+def parts_and_reference(tmp_path_factory, mcore) -> tuple[list[Path], tuple[bytes, bytes]]:
+    """many_parts() and Megatron's concatenation of them (add_index), made once: Megatron takes seconds."""
+    tmp = tmp_path_factory.mktemp("parts")
+    parts = many_parts(tmp)
+    return parts, megatron_concatenation(mcore, parts, tmp / "reference", np.int32)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 16])
+def test_parallel_merge_streams_equal_megatron_add_index(tmp_path, parts_and_reference, streams):
+    parts, expected = parts_and_reference
+    stats = merge(parts, tmp_path / "merged", streams=streams)
+    assert ((tmp_path / "merged.bin").read_bytes(), (tmp_path / "merged.idx").read_bytes()) == expected
+    assert stats.bytes == 4 * stats.tokens == len(expected[0]) and stats.datasets == len(parts)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _place_in_child(placement: indexed.Placement, dest: str) -> int:
+    indexed.place(placement, dest, durable=True)
+    return os.getpid()
+
+
+def test_parts_placed_by_other_processes_give_the_same_bytes(tmp_path, parts_and_reference):
+    # streams=0: this process only plans; other processes (on a cluster, other nodes) copy each part into place,
+    # here in reverse order, before the index is written
+    import multiprocessing
+
+    parts, expected = parts_and_reference
+    cat = indexed.DatasetConcatenator(tmp_path / "placed", np.int32, streams=0)
+    placements = [cat.add(p) for p in parts]
+    assert [p.offset for p in placements] == list(np.cumsum([0] + [p.nbytes for p in placements[:-1]]))
+    assert not Path(f"{tmp_path}/placed.bin").exists()
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pids = pool.starmap(_place_in_child, [(p, str(cat.bin_tmp)) for p in reversed(placements)])
+    assert os.getpid() not in pids
+    cat.finalize()
+    assert ((tmp_path / "placed.bin").read_bytes(), (tmp_path / "placed.idx").read_bytes()) == expected
+
+
+def test_placement_refuses_a_bin_shorter_than_its_index(tmp_path):
+    parts = many_parts(tmp_path, sizes=(50, 60))
+    cat = indexed.DatasetConcatenator(tmp_path / "out", np.int32, streams=0)
+    placements = [cat.add(p) for p in parts]
+    os.truncate(placements[1].source, placements[1].nbytes - 8)  # cut after it was checked, as a lost write would
+    with pytest.raises(IndexedFormatError, match=r"part1.bin: .* shorter than the \d+ its index promises"):
+        indexed.place(placements[1], cat.bin_tmp)
+    cat.discard()
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_merge_onto_a_full_disk_raises_enospc_and_leaves_nothing(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        parts = many_parts(tmp_path, sizes=(1500, 1500, 1500, 1500))  # ~480 KB of tokens in all
+        with pytest.raises(OSError) as e:
+            merge(parts, mount / "out", streams=4)
+        assert e.value.errno == errno.ENOSPC
+        assert not list(mount.iterdir())
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_merge_refuses_mixed_dtypes(tmp_path):

@@ -195,9 +195,11 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_disk_full_is_one_line_and_leaves_nothing_half_written(tmp_path, tiny_tmpfs):
+@pytest.mark.parametrize("workers, task_size", [("1", "64m"), ("2", "20k")])  # one part renamed; parts placed
+def test_disk_full_is_one_line_and_leaves_nothing_half_written(tmp_path, tiny_tmpfs, workers, task_size):
     src = write_jsonl(tmp_path / "c.jsonl", make_docs(3000))
-    proc = run("preprocess", src, "--output-prefix", tiny_tmpfs / "o", "--workers", "1", check=False)
+    args = ["--workers", workers, "--task-size", task_size]
+    proc = run("preprocess", src, "--output-prefix", tiny_tmpfs / "o", *args, check=False)
     assert proc.returncode == 1 and "no space left" in proc.stderr.lower(), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not list(tiny_tmpfs.rglob("*.tmp")) and not list(tiny_tmpfs.glob("o_text_document.*"))
