@@ -12,8 +12,9 @@ A task is a slice of one input that a worker reads alone:
     parquet               a run of row groups
     HF dataset            a range of rows
 
-Tasks depend on the input and the task size only, never on the number of workers, and the output is their
-concatenation in order: the same input gives the same bytes for any `--workers`.
+The output is the tasks' concatenation in order, so how the input is cut never changes the bytes: the same
+input gives the same bytes for any `--workers`. The last tasks of a run are cut smaller (`taper`): workers
+take tasks in order, and a big task started last keeps one core busy while the others have nothing left.
 
 Bad records are reported as `file:line: what is wrong` (a row number for parquet and HF datasets). Line
 numbers of a byte-range task are counted from the start of the file only when an error needs one.
@@ -136,8 +137,9 @@ class Task:
         return {k: getattr(self, k) for k in ("index", "path", "format", "start", "stop", "first_row", "size")}
 
 
-def plan_tasks(files: Sequence[Path], task_bytes: int = 64 << 20) -> list[Task]:
-    """Cut the inputs into tasks of about `task_bytes` each (see the module docstring for the rules)."""
+def plan_tasks(files: Sequence[Path], task_bytes: int = 64 << 20, taper: int = 0) -> list[Task]:
+    """Cut the inputs into tasks of about `task_bytes` each (see the module docstring for the rules); with `taper`,
+    the last `taper` tasks of plain JSON lines are cut in halves, and the very last in quarters."""
     slices: list[tuple] = []
     for path in files:
         fmt = input_format(path)
@@ -149,22 +151,40 @@ def plan_tasks(files: Sequence[Path], task_bytes: int = 64 << 20) -> list[Task]:
             slices += [(path, fmt, *r) for r in _parquet_ranges(path, task_bytes)]
         elif fmt == "hf":
             slices += [(path, fmt, *r) for r in _hf_ranges(path, task_bytes)]
+    slices = _tapered(slices, taper)
     return [Task(i, os.fspath(p), f, a, b, first, size) for i, (p, f, a, b, first, size) in enumerate(slices)]
 
 
-def _line_aligned_ranges(path: Path, task_bytes: int) -> list[tuple[int, int]]:
-    """Byte ranges of about task_bytes, each ending just after a newline (or at the end of the file)."""
-    size = path.stat().st_size
-    cuts = [0]
+TAPER_MIN_BYTES = 2 << 20  # smaller tasks are not cut further: each task costs two fsyncs and a merge step
+
+
+def _tapered(slices: list[tuple], taper: int) -> list[tuple]:
+    """Cut the last `taper` JSON-lines slices in halves (the last in quarters), at line ends."""
+    out: list[tuple] = []
+    for n, (path, fmt, a, b, first, size) in enumerate(reversed(slices)):
+        if n >= taper or fmt != "jsonl" or size < TAPER_MIN_BYTES:
+            out.append((path, fmt, a, b, first, size))
+            continue
+        pieces = 4 if n == 0 else 2
+        cuts = _line_aligned_ranges(path, -(-size // pieces), a, b)
+        out.extend((path, fmt, x, y, first, y - x) for x, y in reversed(cuts))
+    return out[::-1]
+
+
+def _line_aligned_ranges(path: Path, task_bytes: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+    """Byte ranges of about task_bytes covering [lo, hi) (hi: a line end, default the file's end), each ending
+    just after a newline or at hi."""
+    hi = path.stat().st_size if hi is None else hi
+    cuts = [lo]
     with open(path, "rb") as f:
-        while cuts[-1] + task_bytes < size:
+        while cuts[-1] + task_bytes < hi:
             f.seek(cuts[-1] + task_bytes)
             f.readline()  # finish the line the cut fell into
-            if f.tell() >= size:
+            if f.tell() >= hi:
                 break
             cuts.append(f.tell())
-    cuts.append(size)
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a] or [(0, 0)]
+    cuts.append(hi)
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a] or [(lo, lo)]
 
 
 def _parquet_ranges(path: Path, task_bytes: int) -> list[tuple[int, int, int, int]]:

@@ -85,6 +85,22 @@ def test_byte_range_tasks_cover_the_file_exactly_and_align_to_lines(tmp_path, sm
     assert read_all([path], task_bytes=1000) == (DOCS, {})
 
 
+@pytest.mark.parametrize("taper", [1, 3, 50])
+def test_tapered_tasks_get_smaller_at_the_end_and_cover_the_file(tmp_path, monkeypatch, taper):
+    monkeypatch.setattr(sources, "TAPER_MIN_BYTES", 0)
+    path = write_jsonl(tmp_path / "a.jsonl")
+    plain, tapered = plan_tasks([path], task_bytes=2000), plan_tasks([path], task_bytes=2000, taper=taper)
+    assert len(tapered) > len(plain) and [t.index for t in tapered] == list(range(len(tapered)))
+    assert tapered[-1].size < plain[-1].size / 2
+    assert (tapered[0] == plain[0]) == (taper < len(plain))  # only the last `taper` tasks are cut
+    data = path.read_bytes()
+    assert tapered[0].start == 0 and tapered[-1].stop == len(data)
+    for a, b in zip(tapered, tapered[1:]):
+        assert a.stop == b.start and data[b.start - 1 : b.start] == b"\n" and a.size == a.stop - a.start
+    texts = [t for task in tapered for batch in read_task(task, ("text",)) for t in text_list(batch.texts[0])]
+    assert texts == DOCS
+
+
 BAD_LINES = [
     (b'{"text": "ok"', "malformed_json", "malformed JSON"),
     (b'{"text": "caf\xe9"}', "invalid_utf8", "invalid UTF-8"),
