@@ -1,7 +1,7 @@
 """How fast `corpusforge build-knn` is, stage by stage, on real text at 1M chunks (or --chunks N).
 
-    python benchmarks/bench_knn.py [--chunks 1000000] [--corpus-mb 1000] [--model-chunks 2000]
-                                   [--out benchmarks/results/knn-<date>.json]
+    python benchmarks/bench_knn.py [--chunks 1000000] [--corpus-mb 1000] [--model-chunks 2000] [--anchor]
+                                   [--full-neighbours] [--out benchmarks/results/knn-<date>.json]
 
 The corpus is benchmarks/make_corpus.py's realistic JSONL (prose and code), tokenised with cl100k_base by
 `corpusforge preprocess`; its first documents are copied into a dataset of exactly enough documents for
@@ -14,6 +14,10 @@ index for a 16 GiB budget, recall target 0.95, 40 re-ranked candidates, K=2), an
   RetroDataset serving (samples/s of 2048 tokens = 32 chunks, each with K=2 neighbours + continuation,
   random batches of 32 from the memmaps), and peak RSS of this process.
 
+--anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
+hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
+ladder, and how lexically close the nearest neighbours are (token-set Jaccard). --full-neighbours: the whole
+neighbours stage (every chunk queried) instead of a sample.
 autofaiss (pins numpy<2) is run on the same vectors in its own venv when --autofaiss-python is given.
 Prints a table; writes everything, with machine, versions and git commit, as JSON.
 """
@@ -97,6 +101,97 @@ def neighbours_rate(db: Path, result, queries: int = 2000) -> dict:
     return {"queries": queries, "k": 2, "search_params": params, "chunks_per_s": round(queries / s, 1)}
 
 
+def anchor_comparison(db: Path, prefix: str, queries: int = 1000, repeats: int = 3) -> dict:
+    """The embedder against its anchor on the same chunks, in the same run: v1's direct 128-d random projection
+    (the same hashed features, sketched straight to 128-d: `HashedNgramEmbedder(sketch_dim=128).sketch`) vs the
+    default (1024-d sketch + PCA to 128-d, the database's stored vectors). For each, an HNSW32 index (faiss
+    defaults), recall@10 against exact search with same-document exclusion on the same seeded queries, at an
+    efSearch ladder; QPS is the median of `repeats` alternating runs. Also the token-set Jaccard of each query
+    chunk and its exact nearest neighbour: are the neighbours lexically as close as before?"""
+    import faiss
+
+    from corpusforge.retro.embed import EmbeddingStore
+    from corpusforge.retro.hashed import HashedNgramEmbedder
+    from corpusforge.retro.neighbours import exact_search, recall_at
+
+    table = ChunkTable.load(db / "chunks")
+    n = len(table)
+    source = indexed.IndexedDataset(prefix).tokens
+    store = EmbeddingStore(db / "embeddings", n, 128, 1 << 20)
+    v1 = np.empty((n, 128), np.float32)
+    for lo in range(0, n, 1 << 16):
+        ids = np.arange(lo, min(n, lo + (1 << 16)))
+        v1[lo : lo + len(ids)] = HashedNgramEmbedder(sketch_dim=128).sketch(table.tokens(source, ids, 64))
+    v1 = v1.astype(np.float16).astype(np.float32)  # as the database stores them
+    v2 = np.concatenate([b for _, b in store.blocks()])
+    qids = np.sort(np.random.default_rng(5).choice(n, queries, replace=False))
+    qdoc = np.asarray(table.doc[qids])
+    doc = np.asarray(table.doc)
+    out, indexes, exact = {}, {}, {}
+    for name, vectors in (("v1_random_projection_128", v1), ("v2_sketch1024_pca128", v2)):
+        t0 = time.perf_counter()
+        index = faiss.IndexHNSWFlat(128, 32, faiss.METRIC_INNER_PRODUCT)
+        index.add(vectors)
+        indexes[name] = index
+        mem = _ArrayStore(vectors)
+        exact[name] = exact_search(mem, doc, vectors[qids], qdoc, 10)
+        tokens = table.tokens(source, np.concatenate([qids, exact[name][:, 0]]), 64)
+        out[name] = {
+            "add_s": round(time.perf_counter() - t0, 1),
+            "nn_token_jaccard": round(
+                float(np.mean([_jaccard(a, b) for a, b in zip(tokens[:queries], tokens[queries:])])), 4
+            ),
+            "ladder": {},
+        }
+    vectors_of = {"v1_random_projection_128": v1, "v2_sketch1024_pca128": v2}
+    for ef in (64, 128, 256, 512, 1024):
+        times = {name: [] for name in indexes}
+        found = {}
+        for _ in range(repeats):
+            for name, index in indexes.items():  # alternating: the load of a shared machine hits both alike
+                index.hnsw.efSearch = ef
+                vectors = v1 if name.startswith("v1") else v2
+                t0 = time.perf_counter()
+                _, found[name] = index.search(vectors[qids], 40)
+                times[name].append(time.perf_counter() - t0)
+        for name in indexes:
+            approx = _first_k_outside(found[name], doc, qdoc, 10)
+            out[name]["ladder"][ef] = {
+                "recall@10": round(recall_at(approx, exact[name], _scores(vectors_of[name], qids)), 4),
+                "qps": round(queries / float(np.median(times[name]))),
+            }
+    return out
+
+
+def _scores(vectors: np.ndarray, qids: np.ndarray):
+    """ids (Q, k) -> their exact similarities to the queries, for recall_at's tie-aware count."""
+    return lambda ids: np.einsum("qkd,qd->qk", vectors[ids], vectors[qids])
+
+
+class _ArrayStore:
+    """An in-memory array with EmbeddingStore's blocks(), for exact_search."""
+
+    def __init__(self, vectors: np.ndarray) -> None:
+        self.vectors = vectors
+
+    def blocks(self, rows: int = 1 << 17):
+        for lo in range(0, len(self.vectors), rows):
+            yield lo, self.vectors[lo : lo + rows]
+
+
+def _first_k_outside(cand: np.ndarray, doc: np.ndarray, qdoc: np.ndarray, k: int) -> np.ndarray:
+    out = np.full((len(cand), k), -1, dtype=np.int64)
+    for i, row in enumerate(cand):
+        keep = row[(row >= 0) & (doc[np.maximum(row, 0)] != qdoc[i])][:k]
+        out[i, : len(keep)] = keep
+    return out
+
+
+def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
+    return len(a & b) / max(1, len(a | b))
+
+
 def serving_rate(db: Path, batches: int = 50, batch: int = 32) -> dict:
     """RetroDataset.get_batch from the memmaps. The gather does not depend on which ids the neighbours file holds,
     so when the full neighbours stage was not run, a file of seeded random ids of the same shape stands in."""
@@ -155,6 +250,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="finish (--resume) an existing DB instead of rebuilding")
     ap.add_argument("--neighbour-queries", type=int, default=2000)
     ap.add_argument("--autofaiss-python", default=None, help="python of a venv with autofaiss installed")
+    ap.add_argument("--anchor", action="store_true", help="also compare with v1's 128-d random projection (HNSW32)")
+    ap.add_argument("--full-neighbours", action="store_true", help="run the whole neighbours stage (all chunks)")
     ap.add_argument("--out", default=str(HERE / "results" / f"knn-{dt.date.today().isoformat()}.json"))
     args = ap.parse_args()
 
@@ -184,7 +281,7 @@ def main() -> None:
         shutil.rmtree(db, ignore_errors=True)
 
     t0 = time.perf_counter()
-    result = build_knn(BuildConfig(prefix=prefix, output=str(db), neighbours=False), resume=args.reuse)
+    result = build_knn(BuildConfig(prefix=prefix, output=str(db), neighbours=args.full_neighbours), resume=args.reuse)
     wall = time.perf_counter() - t0
     st, rec = result.stages, result.recall
     report = {
@@ -203,7 +300,11 @@ def main() -> None:
             for p in db.iterdir()
         },
     }
+    if args.full_neighbours:
+        report["neighbours_full"] = st["neighbours"]
     report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if args.anchor:
+        report["anchor"] = anchor_comparison(db, prefix)
     if args.autofaiss_python:
         report["autofaiss"] = run_autofaiss(args.autofaiss_python, db, work)
     report["machine"] = {
@@ -222,7 +323,10 @@ def main() -> None:
         ("chunks", f"{chunks:,}"),
         ("index (planner, 16 GiB)", result.plan["key"]),
         ("chunking", f"{st['chunks']['chunks_per_s']:,} chunks/s"),
-        ("embedding, hashed 128-d", f"{st['embeddings']['chunks_per_s']:,} chunks/s"),
+        (
+            "embedding, hashed 128-d",
+            f"{st['embeddings']['chunks_per_s']:,} chunks/s (PCA fit {st['embeddings']['fit_s']} s)",
+        ),
         ("embedding, all-MiniLM-L6-v2 CPU", f"{report['embedding_model'].get('chunks_per_s', '-')} chunks/s"),
         ("index train / add", f"{st['index']['train_s']:,.1f} s / {st['index']['add_s']:,.1f} s"),
         ("recall@10 (re-ranked / raw)", f"{rec['recall@10']:.4f} / {rec['recall_without_rerank']:.4f}"),
@@ -232,6 +336,11 @@ def main() -> None:
         ("peak RSS (this process)", f"{report['peak_rss_mb']:,} MB"),
         ("build wall", f"{wall:,.1f} s" + (" (resumed: stage times from the manifest)" if args.reuse else "")),
     ]
+    if args.full_neighbours:
+        rows.append(("neighbours stage (all chunks)", f"{st['neighbours']['queries_per_s']:,} chunks/s"))
+    for name, a in report.get("anchor", {}).items():
+        ladder = "  ".join(f"ef{ef}: {v['recall@10']:.3f} @ {v['qps']:,}/s" for ef, v in a["ladder"].items())
+        rows.append((f"anchor {name}", f"add {a['add_s']} s, NN jaccard {a['nn_token_jaccard']}; {ladder}"))
     if "autofaiss" in report:
         rows.append(("autofaiss build_index", json.dumps(report["autofaiss"])[:80]))
     width = max(len(r[0]) for r in rows)

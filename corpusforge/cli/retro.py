@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import click
 
 from corpusforge.cli import _report
+from corpusforge.executors import EXECUTORS
+
+# what each stage's bar counts
+_UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}
 
 
 @click.command("build-knn")
@@ -52,17 +60,36 @@ from corpusforge.cli import _report
 @click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
+@click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default="local",
+    show_default=True,
+    help="Where the chunking and embedding shard tasks run: local processes, or Ray (nodes sharing the file system).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Shard tasks at once [default: one per core; with --executor ray, every CPU of the cluster].",
+)
+@click.option("--ray-address", default=None, help="Ray cluster to join, e.g. auto [default: a new local one].")
 @click.option("--resume", is_flag=True, help="Finish an interrupted build in --output (same data and options).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
+@click.option("--progress/--no-progress", default=None, help="Progress bars [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def build_knn_cmd(prefix, output, resume, dry_run, as_json, **options) -> None:
+def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options) -> None:
     """Build a retrieval database: chunks, embeddings, Faiss index, recall@10, neighbours; every stage resumable."""
+    from corpusforge.executors import ExecutorError
     from corpusforge.retro import BuildConfig, RetroError, build_knn
     from corpusforge.retro.common import human_bytes
 
+    if options["ray_address"] and options["executor"] != "ray":
+        raise click.UsageError("--ray-address needs --executor ray")
     config = BuildConfig(prefix=prefix, output=output, **options)
-    with _report.clear_errors(also=(RetroError,)):
-        result = build_knn(config, dry_run=dry_run, resume=resume)
+    with _report.clear_errors(also=(RetroError, ExecutorError)):
+        with stage_progress(_report.show_progress(progress) and not dry_run) as on_stage:
+            result = build_knn(config, dry_run=dry_run, resume=resume, progress=on_stage)
     data = result.to_dict()
     if dry_run:
         est = result.estimates
@@ -84,6 +111,11 @@ def build_knn_cmd(prefix, output, resume, dry_run, as_json, **options) -> None:
             f"{rec['queries']} held-out chunks",
         ),
         ("search", f"{rec['search_params']}, {rec['candidates']} candidates, {rec['qps']:,} queries/s"),
+        (
+            "embedding",
+            f"{st['embeddings']['chunks_per_s'] or 0:,} chunks/s on {st['embeddings'].get('workers', 1)} "
+            f"{st['embeddings'].get('executor', 'local')} worker(s)",
+        ),
     ]
     if "neighbours" in st:
         rows.append(
@@ -93,6 +125,60 @@ def build_knn_cmd(prefix, output, resume, dry_run, as_json, **options) -> None:
             )
         )
     _report.print_summary(f"corpusforge build-knn {prefix}", rows, data if as_json else None)
+
+
+@contextmanager
+def stage_progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]] | None]:
+    """What build_knn's `progress` wants: `on_stage(name, total)` → `advance(n)`. A bar per stage with its rate and
+    ETA on a terminal; with --progress into a file (a Slurm log), a line per 10 s and one when a stage ends. The
+    bar's thread starts at the first event, so local workers forked before it inherit no thread."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    terminal = _report.err_console.is_terminal
+    columns = (
+        TextColumn("[bold]{task.description:<10}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    bar = Progress(*columns, console=_report.err_console)
+
+    def on_stage(name: str, total: int) -> Callable[[int], None]:
+        task = bar.add_task(name, total=total, rate="")
+        logged = [time.monotonic()]
+
+        def advance(n: int) -> None:
+            if terminal and not bar.live.is_started:
+                bar.start()
+            bar.advance(task, n)
+            state = next(t for t in bar.tasks if t.id == task)
+            rate = f"{state.completed / (state.elapsed or 1e-9):,.0f} {_UNITS.get(name, 'items')}/s"
+            bar.update(task, rate=rate)
+            done = state.total is not None and state.completed >= state.total
+            if not terminal and (done or time.monotonic() - logged[0] >= 10):
+                logged[0] = time.monotonic()
+                share = f"{state.completed / state.total:.0%}" if state.total else "?"
+                click.echo(f"corpusforge build-knn: {name} {share}  {rate}  {state.elapsed or 0:,.0f} s", err=True)
+
+        return advance
+
+    try:
+        yield on_stage
+    finally:
+        bar.stop()
 
 
 def _plan_rows(plan: dict) -> list[tuple[str, object]]:

@@ -8,11 +8,15 @@ Layout of a database directory, every file written under a temporary name and re
 
     manifest.json                  config, data fingerprint, embedder, index key, search parameters, stats
     chunks/{doc,start,length}.npy  the chunk table (int64 document, int64 first token in the .bin, int16 length)
+    embeddings/pca_*.npy           the hashed embedder's projection, fitted on the corpus (see hashed.py)
     embeddings/shard_NNNNN.npy     float16 (n, dim), L2-normalised, `shard_size` chunks each
     index/index.faiss              the filled index (index/trained.faiss, index/part_NNNNN.faiss while building)
     neighbours.bin                 int64 (queries, K) with a 64-byte header (see neighbours.py)
 
 Chunk tokens are never copied: neighbour and continuation tokens are read from the source `.bin` memmap.
+The chunks and embeddings stages split into shard tasks (document ranges, embedding shards) that an executor
+runs: local processes (`--workers`) or Ray (`--executor ray`, nodes sharing the file system); the bytes written
+do not depend on which, nor on how many workers. The index stage fills IVF indexes shard by shard too.
 """
 
 from corpusforge.retro.build import BuildConfig, BuildResult, build_knn, query_knn

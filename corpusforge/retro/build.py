@@ -12,15 +12,17 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from corpusforge.executors import make_executor
 from corpusforge.retro import chunks as chunks_mod
 from corpusforge.retro import index as index_mod
 from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.common import RetroError, data_fingerprint, open_dataset, parse_bytes, write_json_atomic
-from corpusforge.retro.embed import EmbeddingStore, embed_chunks, load_embedder
+from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
 
 MANIFEST = "manifest.json"
 RECALL_K = 10
@@ -63,6 +65,13 @@ class BuildConfig:
     """Seeds the embedder, the training sample and the recall queries."""
     neighbours: bool = True
     """Run the neighbours stage (off: build the searchable index only)."""
+    executor: str = "local"
+    """Where the chunking and embedding shard tasks run: 'local' processes, or 'ray' (nodes sharing the file system).
+    The bytes written do not depend on it, nor on `workers`: neither is part of the identity of a build."""
+    workers: int = 0
+    """Shard tasks at once; 0: every core here (local) or every CPU of the Ray cluster."""
+    ray_address: str | None = None
+    """Ray cluster to join ('auto': the one `ray start` made here); default a new local Ray."""
 
     def identity(self, data: dict, embedder_fp: str, query_data: dict | None) -> dict:
         """What a resumed build must share with the run it continues."""
@@ -113,7 +122,12 @@ def _load_tokenizer(spec: str | None):
 
 
 def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, progress=None) -> BuildResult:
-    """Build (or with `resume`, finish) the database in `config.output`; `dry_run` plans without writing."""
+    """Build (or with `resume`, finish) the database in `config.output`; `dry_run` plans without writing.
+
+    `progress(stage, total)`, when given, is called as each stage starts and returns `advance(n)`, which the stage
+    calls as it goes (chunks, embedding, index, recall, neighbours; total None where it is not known).
+
+    Example: build_knn(BuildConfig("out/corpus_text_document", "db/")).recall["recall@10"] -> 0.96"""
     ds = open_dataset(config.prefix)
     budget = parse_bytes(config.max_index_memory)
     tok_spec = resolve_tokenizer(config.prefix, config.tokenizer)
@@ -134,40 +148,54 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
         manifest["stages"][stage] = stats
         write_json_atomic(out / MANIFEST, manifest)
 
-    if "chunks" not in manifest["stages"]:
-        finish("chunks", chunks_mod.build_chunks(ds, out / "chunks", config.chunk_length))
-        if query_ds is not None:
-            manifest["stages"]["chunks"]["query"] = chunks_mod.build_chunks(
-                query_ds, out / "query_chunks", config.chunk_length
-            )
-            finish("chunks", manifest["stages"]["chunks"])
+    if not {"chunks", "embeddings"} <= set(manifest["stages"]):  # (a Ray executor connects on entry)
+        with make_executor(config.executor, config.workers, config.ray_address) as executor:
+            _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress)
+    embedder = load_fitted(embedder, out / "embeddings")
     table = chunks_mod.ChunkTable.load(out / "chunks")
-    if "embeddings" not in manifest["stages"]:
-        stats = embed_chunks(
-            table,
-            ds.tokens,
-            embedder,
-            out / "embeddings",
-            config.shard_size,
-            config.chunk_length,
-            progress=progress and progress("embedding", len(table)),
-        )
-        finish("embeddings", stats)
     store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
     if "index" not in manifest["stages"]:
         plan = index_mod.plan_index(len(table), embedder.dim, budget, config.train_per_list, config.index_key)
         manifest["plan"] = plan.to_dict()
         write_json_atomic(out / MANIFEST, manifest)
-        finish("index", index_mod.build_index(plan, store, out / "index", config.seed))
+        finish(
+            "index",
+            index_mod.build_index(plan, store, out / "index", config.seed, progress and progress("index", plan.n)),
+        )
     plan = index_mod.IndexPlan(**manifest["plan"])
     index = index_mod.load_index(out / "index" / "index.faiss", plan.search_params)
     if "recall" not in manifest["stages"]:
-        recall = _tune_recall(config, plan, index, store, table)
+        recall = _tune_recall(config, plan, index, store, table, progress and progress("recall", None))
         manifest["search_params"] = recall["search_params"]
         finish("recall", recall)
     if config.neighbours and "neighbours" not in manifest["stages"]:
         finish("neighbours", _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress))
     return BuildResult(str(out), manifest["plan"], manifest["stages"], manifest["stages"]["recall"])
+
+
+def _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress) -> None:
+    """The two stages that split into shard tasks on `executor` (document ranges, embedding shards)."""
+    out = Path(config.output)
+    if "chunks" not in manifest["stages"]:
+        chunk = partial(chunks_mod.build_chunks, per_task=config.shard_size, executor=executor)
+        total = chunks_mod.count_chunks(ds, config.chunk_length)
+        stats = chunk(ds, out / "chunks", config.chunk_length, progress=progress and progress("chunks", total))
+        if query_ds is not None:
+            stats["query"] = chunk(query_ds, out / "query_chunks", config.chunk_length)
+        finish("chunks", stats)
+    if "embeddings" not in manifest["stages"]:
+        table = chunks_mod.ChunkTable.load(out / "chunks")
+        embedder, fit_stats = fit_embedder(embedder, table, ds.tokens, out / "embeddings", config.chunk_length)
+        job = EmbedJob(
+            os.path.abspath(config.prefix),
+            os.path.abspath(out / "chunks"),
+            os.path.abspath(out / "embeddings"),
+            embedder,
+            config.shard_size,
+            config.chunk_length,
+        )
+        stats = embed_chunks(job, len(table), executor, progress and progress("embedding", len(table)))
+        finish("embeddings", {**stats, **fit_stats})
 
 
 def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, tok_spec) -> dict:
@@ -200,24 +228,30 @@ def _eval_ids(n: int, plan: index_mod.IndexPlan, config: BuildConfig) -> np.ndar
     return np.sort(np.random.default_rng(config.seed + 1).choice(pool, size=size, replace=False))
 
 
-def _tune_recall(config, plan, index, store, table) -> dict:
+def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
     t0 = time.perf_counter()
     ids = _eval_ids(store.n, plan, config)
     queries, qdoc = store.get(ids), np.asarray(table.doc[ids])
     k = min(RECALL_K, max(1, store.n - 1))
     exact = nb_mod.exact_search(store, table.doc, queries, qdoc, k)
+
+    def scores(ids: np.ndarray) -> np.ndarray:  # exact similarities of (Q, k) chunk ids to their queries
+        return np.einsum("qkd,qd->qk", store.get(ids), queries)
+
     params, tried = plan.search_params, []
     while True:
         t1 = time.perf_counter()
         approx, _ = nb_mod.search(index, store, table.doc, queries, qdoc, k, config.candidates, params)
         qps = len(ids) / (time.perf_counter() - t1)
-        r = nb_mod.recall_at(approx, exact)
+        r = nb_mod.recall_at(approx, exact, scores)
         tried.append({"search_params": params, "recall": round(r, 4), "qps": round(qps)})
+        if progress:
+            progress(1)
         nxt = index_mod.escalate(params)
         if r >= config.recall_target or nxt is None:
             break
         params = nxt
-    raw = _recall_without_rerank(index, table.doc, queries, qdoc, k, exact)
+    raw = _recall_without_rerank(index, table.doc, queries, qdoc, k, exact, scores)
     return {
         f"recall@{k}": round(r, 4),
         "recall_without_rerank": round(raw, 4),
@@ -231,14 +265,14 @@ def _tune_recall(config, plan, index, store, table) -> dict:
     }
 
 
-def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact) -> float:
+def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact, scores) -> float:
     """The index's own order: the first k hits outside the query's document, as a search without re-ranking gives."""
     _, cand = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(4 * k, 32))
     bad = (cand < 0) | (db_doc[np.maximum(cand, 0)] == qdoc[:, None])
     approx = np.array(
         [c[~b][:k].tolist() + [-1] * (k - int((~b).sum()) if (~b).sum() < k else 0) for c, b in zip(cand, bad)]
     )
-    return nb_mod.recall_at(approx, exact)
+    return nb_mod.recall_at(approx, exact, scores)
 
 
 def _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress) -> dict:
@@ -271,8 +305,7 @@ def _neighbours_stage(config, manifest, index, store, table, query_ds, embedder,
 
 
 def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
-    starts, ends = chunks_mod.document_bounds(ds)
-    n = int((-(-(ends - starts) // config.chunk_length)).sum())
+    n = chunks_mod.count_chunks(ds, config.chunk_length)
     plan = index_mod.plan_index(n, dim, budget, config.train_per_list, config.index_key)
     est = estimates(n, dim, plan, config.k)
     return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)
@@ -315,6 +348,13 @@ def query_knn(db: str | os.PathLike, text: str, k: int = 5, max_chunks: int = 4)
     cfg = BuildConfig(**manifest["config"])
     tokenizer = _load_tokenizer(manifest.get("tokenizer"))
     embedder = load_embedder(cfg.embedder, cfg.dim, cfg.seed, tokenizer)
+    built_with = manifest["identity"]["embedder"]
+    if built_with != embedder.fingerprint:  # a database of an older embedder: its vectors are not comparable
+        raise RetroError(
+            f"{db}: built with embedder {built_with}, but this corpusforge embeds with {embedder.fingerprint}; "
+            "rebuild the database (build-knn into a new --output)"
+        )
+    embedder = load_fitted(embedder, db / "embeddings")
     ds = open_dataset(cfg.prefix)
     table = chunks_mod.ChunkTable.load(db / "chunks")
     store = EmbeddingStore(db / "embeddings", len(table), embedder.dim, cfg.shard_size)

@@ -8,12 +8,17 @@ On disk, in `DB/chunks/` (plain .npy, memory-mapped when read):
     doc_end.npy int64 (D,)  one past the last token of each document (bounds a neighbour's continuation)
 
 Building is O(N) numpy with no per-document Python loop: chunk k of document d starts at doc_start[d] + k*C.
+The stage splits the documents into ranges of about `shard_size` chunks, one task each (`chunk_range`), for an
+executor; every task writes its rows into the three preallocated `.npy.tmp` files at its own offset (known from
+the .idx alone), so tasks on other machines need no merge, and the files are renamed when all are written.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,10 +56,15 @@ class ChunkTable:
         return out
 
 
-def document_bounds(ds: indexed.IndexedDataset) -> tuple[np.ndarray, np.ndarray]:
-    """(first token, one past the last token) of every document, in tokens of the .bin."""
-    seq_start = np.append(ds.sequence_pointers // ds.dtype.itemsize, np.int64(ds.num_tokens))
-    return seq_start[ds.document_indices[:-1]], seq_start[ds.document_indices[1:]]
+def document_bounds(ds: indexed.IndexedDataset, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, one past the last token) of documents [lo, hi) (default all), in tokens of the .bin."""
+    hi = ds.num_documents if hi is None else hi
+    seqs = np.asarray(ds.document_indices[lo : hi + 1], dtype=np.int64)
+    pointers = np.asarray(ds.sequence_pointers[seqs[0] : seqs[-1]], dtype=np.int64) // ds.dtype.itemsize
+    seq_start = np.append(pointers, np.int64(ds.num_tokens) if seqs[-1] == len(ds.sequence_pointers) else -1)
+    if seq_start[-1] < 0:  # [lo, hi) ends before the last sequence: its end is where the next sequence begins
+        seq_start[-1] = int(ds.sequence_pointers[seqs[-1]]) // ds.dtype.itemsize
+    return seq_start[seqs[:-1] - seqs[0]], seq_start[seqs[1:] - seqs[0]]
 
 
 def chunk_documents(doc_start: np.ndarray, doc_end: np.ndarray, chunk_length: int) -> ChunkTable:
@@ -74,22 +84,106 @@ def chunk_documents(doc_start: np.ndarray, doc_end: np.ndarray, chunk_length: in
     return ChunkTable(doc, start, length, doc_end)
 
 
-def build_chunks(ds: indexed.IndexedDataset, directory: Path, chunk_length: int) -> dict:
-    """The chunks stage: writes `directory/*.npy` atomically, one file at a time; returns its statistics."""
+NAMES = ("doc", "start", "length")
+DTYPES = {"doc": np.int64, "start": np.int64, "length": np.int16}
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """What every chunking task needs, as plain data (it pickles to a worker or a Ray node)."""
+
+    prefix: str
+    directory: str
+    chunk_length: int
+
+
+def chunk_range(job: ChunkJob, task: tuple[int, int, int, int], ctx=None) -> int:
+    """Task i = (i, lo, hi, first): chunk documents [lo, hi) into rows [first, ...) of the preallocated .npy.tmp
+    files. Returns the chunks written.
+
+    Example (what an executor calls): chunk_range(job, (0, 0, 5000, 0), None) -> 81342"""
+    from corpusforge.retro.common import open_dataset
+
+    i, lo, hi, first = task
+    table = chunk_documents(*document_bounds(open_dataset(job.prefix), lo, hi), job.chunk_length)
+    for name in NAMES:
+        out = np.load(_tmp(Path(job.directory), name), mmap_mode="r+", allow_pickle=False)
+        values = getattr(table, name) + (lo if name == "doc" else 0)
+        out[first : first + len(values)] = values
+        out.flush()
+        del out
+    if ctx is not None and ctx.report:
+        ctx.report(len(table))
+    kill_point("chunks", i)
+    return len(table)
+
+
+def _tmp(directory: Path, name: str) -> Path:
+    return directory / f"{name}.npy.tmp"
+
+
+def count_chunks(ds: indexed.IndexedDataset, chunk_length: int) -> int:
+    """Chunks of `chunk_length` the dataset cuts into, from its .idx alone."""
+    if not ds.num_documents:
+        return 0
+    starts, ends = document_bounds(ds)
+    return int((-(-(ends - starts) // chunk_length)).sum())
+
+
+def plan_chunk_tasks(doc_start: np.ndarray, doc_end: np.ndarray, chunk_length: int, per_task: int) -> list:
+    """Tasks (i, lo, hi, first chunk): document ranges of about `per_task` chunks each, cut at document boundaries.
+
+    Example: plan_chunk_tasks([0, 100, 300], [100, 300, 310], 64, 3) -> [(0, 0, 2, 0), (1, 2, 3, 6)]"""
+    counts = -(-(np.asarray(doc_end, np.int64) - np.asarray(doc_start, np.int64)) // chunk_length)
+    ends = np.cumsum(counts)
+    cuts = np.unique(np.searchsorted(ends, np.arange(per_task, int(ends[-1]) if len(ends) else 0, per_task)) + 1)
+    bounds = [0, *[int(c) for c in cuts if c < len(counts)], len(counts)]
+    first = np.concatenate([[0], ends])
+    ranges = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    return [(i, lo, hi, int(first[lo])) for i, (lo, hi) in enumerate(ranges)]
+
+
+def build_chunks(
+    ds: indexed.IndexedDataset,
+    directory: Path,
+    chunk_length: int,
+    per_task: int = 1 << 20,
+    executor=None,
+    progress=None,
+) -> dict:
+    """The chunks stage: tasks on `executor` (default: this process) fill `directory/*.npy.tmp`, then each file is
+    fsynced and renamed; returns its statistics. A killed stage is redone whole (it runs at memory speed)."""
+    from corpusforge.executors import LocalExecutor
+    from corpusforge.retro.common import fsync_dir
+
     if not 1 <= chunk_length <= np.iinfo(np.int16).max:
         raise ValueError(f"chunk length {chunk_length} must be between 1 and 32767 tokens")
     t0 = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    table = chunk_documents(*document_bounds(ds), chunk_length)
-    for i, name in enumerate(("doc", "start", "length", "doc_end")):
-        save_npy_atomic(directory / f"{name}.npy", getattr(table, name))
-        kill_point("chunks", i)
+    doc_start, doc_end = document_bounds(ds) if ds.num_documents else (np.zeros(0, np.int64),) * 2
+    tasks = plan_chunk_tasks(doc_start, doc_end, chunk_length, per_task)
+    total = int((-(-(doc_end - doc_start) // chunk_length)).sum())
+    for name in NAMES:
+        np.lib.format.open_memmap(_tmp(directory, name), mode="w+", dtype=DTYPES[name], shape=(total,)).flush()
+    job = ChunkJob(os.path.abspath(ds.prefix), os.path.abspath(directory), chunk_length)
+    executor = executor or LocalExecutor(1)
+    for _task, rows in executor.run(partial(chunk_range, job), tasks, progress):
+        if progress and not executor.streams_progress:
+            progress(rows)
+    for name in NAMES:
+        with open(_tmp(directory, name), "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(_tmp(directory, name), directory / f"{name}.npy")
+    save_npy_atomic(directory / "doc_end.npy", doc_end)
+    fsync_dir(directory)
     seconds = time.perf_counter() - t0
+    length = load_npy(directory / "length.npy")
     return {
-        "chunks": len(table),
+        "chunks": total,
         "documents": ds.num_documents,
         "tokens": int(ds.num_tokens),
-        "full_chunks": int((table.length == chunk_length).sum()),
+        "full_chunks": int((length == chunk_length).sum()),
+        "tasks": len(tasks),
         "seconds": round(seconds, 3),
-        "chunks_per_s": round(len(table) / seconds) if seconds > 0 else None,
+        "chunks_per_s": round(total / seconds) if seconds > 0 else None,
     }

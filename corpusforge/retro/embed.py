@@ -1,16 +1,17 @@
-"""Embedders (chunk tokens → L2-normalised vectors) and the embeddings stage (float16 shards).
+"""Embedders (chunk tokens → L2-normalised vectors) and the embeddings stage (float16 shards, one task each).
 
 Two embedders:
 
-- `hashed` (default): every token unigram and bigram of a chunk is hashed with a seeded 64-bit mixer
-  (splitmix64), and the hash's bits ARE the feature's row of a ±1 random projection (Achlioptas 2003,
-  "database-friendly random projections"): no table, no collisions between features, no download. Lexical
-  only; deterministic for a seed on any machine. numba, parallel over chunks.
+- `hashed` (default, `hashed.py`): hashed token unigrams and bigrams → a 1024-wide ±1 sketch → a PCA to `dim`
+  fitted on a seeded sample of the corpus. Lexical only; no download; deterministic for a seed.
 - a sentence-transformers / Hugging Face model directory: chunks are detokenised with the dataset's
   tokenizer and encoded by the model (batched; bf16 on a GPU when there is one). Offline: nothing is fetched.
 
-Stage output, `DB/embeddings/shard_NNNNN.npy`: float16 (rows, dim), rows = `shard_size` except the last
-shard; each shard is written atomically, so a killed run resumes at the first missing shard.
+Stage output, `DB/embeddings/`: the hashed embedder's fitted projection (`pca_mean.npy`, `pca_components.npy`,
+written first), then `shard_NNNNN.npy`: float16 (rows, dim), rows = `shard_size` except the last shard. Each
+shard is an independent task (`embed_shard`) for an executor (local processes, or Ray on a cluster sharing the
+file system), written atomically, so a killed run resumes at the missing shards, and the bytes do not depend on
+how many workers or machines made them.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
-import numba
 import numpy as np
 
-from corpusforge._jit import njit
 from corpusforge.retro.chunks import ChunkTable
-from corpusforge.retro.common import RetroError, kill_point, load_npy, save_npy_atomic
+from corpusforge.retro.common import RetroError, kill_point, load_npy, open_dataset, save_npy_atomic
+from corpusforge.retro.hashed import HashedNgramEmbedder
 
 
 class Embedder(Protocol):
@@ -38,75 +39,6 @@ class Embedder(Protocol):
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(n, C) int64 token ids, -1 as padding → (n, dim) float32, each row of norm 1 (or 0 when empty)."""
         ...
-
-
-# -- the model-free default ------------------------------------------------------------------------------------
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-@numba.njit(inline="always")
-def _mix(z):
-    # splitmix64's finaliser (Steele et al. 2014): a bijection of uint64 with full avalanche
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-@numba.njit(inline="always")
-def _add_feature(acc, h, dim):
-    for block in range(dim // 64):
-        bits = _mix(h + np.uint64(block + 1) * _GOLDEN)
-        for b in range(64):
-            acc[block * 64 + b] += 1.0 - 2.0 * np.float32((bits >> np.uint64(b)) & np.uint64(1))
-
-
-@njit(parallel=True)
-def _hashed_embed(tokens, seed, dim, bigram_weight):  # tokens (n, C) int64 → (n, dim) float32
-    n, c = tokens.shape
-    out = np.zeros((n, dim), dtype=np.float32)
-    s = np.uint64(seed)
-    for i in numba.prange(n):
-        acc = np.zeros(dim, dtype=np.float32)
-        bigram = np.zeros(dim, dtype=np.float32)
-        for j in range(c):
-            t = tokens[i, j]
-            if t < 0:
-                break
-            _add_feature(acc, _mix(np.uint64(t) ^ s), dim)
-            if j + 1 < c and tokens[i, j + 1] >= 0:
-                u = np.uint64(tokens[i, j + 1])
-                _add_feature(bigram, _mix(_mix(np.uint64(t) ^ s) + u * _GOLDEN + np.uint64(1)), dim)
-        norm = 0.0
-        for k in range(dim):
-            acc[k] += bigram_weight * bigram[k]
-            norm += acc[k] * acc[k]
-        if norm > 0:
-            inv = 1.0 / np.sqrt(norm)
-            for k in range(dim):
-                out[i, k] = acc[k] * inv
-    return out
-
-
-@dataclass(frozen=True)
-class HashedNgramEmbedder:
-    """Hashed token unigrams + bigrams through a seeded ±1 random projection; `dim` a multiple of 64."""
-
-    dim: int = 128
-    seed: int = 0
-    bigram_weight: float = 1.0
-    name: str = "hashed"
-
-    def __post_init__(self) -> None:
-        if self.dim <= 0 or self.dim % 64:
-            raise RetroError(f"--dim {self.dim}: the hashed embedder needs a positive multiple of 64 (64, 128, 256)")
-
-    @property
-    def fingerprint(self) -> str:
-        return f"hashed-ngram-v1:dim={self.dim}:seed={self.seed}:bigram={self.bigram_weight}"
-
-    def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return _hashed_embed(np.ascontiguousarray(tokens, dtype=np.int64), self.seed, self.dim, self.bigram_weight)
 
 
 # -- models from a local directory -----------------------------------------------------------------------------
@@ -164,7 +96,9 @@ def _directory_fingerprint(path: Path) -> str:
 
 
 def load_embedder(spec: str, dim: int, seed: int, tokenizer=None) -> Embedder:
-    """'hashed' → HashedNgramEmbedder(dim, seed); anything else is a model directory."""
+    """'hashed' → HashedNgramEmbedder(dim, seed), to be fitted (`fit_embedder`); anything else is a model directory.
+
+    Example: load_embedder("hashed", 128, 0).fingerprint -> 'hashed-ngram-v2:dim=128:seed=0:...'"""
     if spec == "hashed":
         return HashedNgramEmbedder(dim=dim, seed=seed)
     if not Path(spec).exists():
@@ -181,44 +115,98 @@ def shard_path(directory: Path, i: int) -> Path:
     return directory / f"shard_{i:05d}.npy"
 
 
-def embed_chunks(
-    table: ChunkTable,
-    source: np.ndarray,
-    embedder: Embedder,
-    directory: Path,
-    shard_size: int,
-    chunk_length: int,
-    batch_size: int = 8192,
-    progress=None,
-) -> dict:
-    """The embeddings stage: one float16 shard per `shard_size` chunks; finished shards are kept on resume."""
+def fit_embedder(embedder: Embedder, table: ChunkTable, source: np.ndarray, directory: Path, chunk_length: int):
+    """The embedder ready to embed: a hashed one gets its PCA, read from `directory` when a (killed) run saved it,
+    else fitted on a seeded sample of the chunks and saved there first. Returns (embedder, statistics)."""
+    if not isinstance(embedder, HashedNgramEmbedder):
+        return embedder, {}
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        fitted = embedder.load(directory)
+        return fitted, {"projection_sha256": fitted.projection_sha256(), "fit_s": 0.0}
+    except RetroError:
+        pass
+    t0 = time.perf_counter()
+    n = len(table)
+    ids = np.sort(np.random.default_rng(embedder.seed).choice(n, size=min(n, embedder.fit_sample), replace=False))
+    fitted = embedder.fit(table.tokens(source, ids, chunk_length))
+    info = fitted.save(directory)
+    return fitted, {**info, "fit_sample": len(ids), "fit_s": round(time.perf_counter() - t0, 3)}
+
+
+def load_fitted(embedder: Embedder, directory: Path) -> Embedder:
+    """The embedder of a built database (its hashed projection read back), for embedding queries."""
+    return embedder.load(directory) if isinstance(embedder, HashedNgramEmbedder) else embedder
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    """What every shard task needs, as plain data: it pickles to a forked worker or a Ray node."""
+
+    prefix: str
+    """Token dataset the chunks point into."""
+    chunks: str
+    """The database's chunks/ directory."""
+    directory: str
+    """The database's embeddings/ directory (shards are written here)."""
+    embedder: Embedder
+    shard_size: int
+    chunk_length: int
+    batch_size: int = 8192
+
+    def shards(self, n: int) -> int:
+        return -(-n // self.shard_size)
+
+
+def embed_shard(job: EmbedJob, shard: int, ctx=None) -> int:
+    """One task: embed chunks [shard·shard_size, ...) into shard_NNNNN.npy (atomically); returns its rows.
+
+    Example (what an executor calls): embed_shard(job, 3, TaskContext(report=print)) -> 1048576"""
+    table = ChunkTable.load(Path(job.chunks))
+    source = open_dataset(job.prefix).tokens
+    lo, hi = shard * job.shard_size, min(len(table), (shard + 1) * job.shard_size)
+    embed = job.embedder.embed
+    if isinstance(job.embedder, HashedNgramEmbedder):  # one core in a worker; this process's threads when alone
+        embed = partial(embed, threads=ctx.threads if ctx is not None else 0)
+    out = np.empty((hi - lo, job.embedder.dim), dtype=np.float16)
+    for b in range(lo, hi, job.batch_size):
+        ids = np.arange(b, min(hi, b + job.batch_size))
+        out[b - lo : b - lo + len(ids)] = embed(table.tokens(source, ids, job.chunk_length))
+        if ctx is not None and ctx.report:
+            ctx.report(len(ids))
+    save_npy_atomic(shard_path(Path(job.directory), shard), out)
+    kill_point("embeddings", shard)
+    return hi - lo
+
+
+def embed_chunks(job: EmbedJob, n: int, executor=None, progress=None) -> dict:
+    """The embeddings stage: every missing shard as a task on `executor` (default: this process); finished shards
+    are kept on resume. A model embedder (torch, maybe a GPU) always runs here, in this process."""
+    from corpusforge.executors import LocalExecutor
+
+    directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)
     for leftover in directory.glob("*.tmp"):
         leftover.unlink()
-    n = len(table)
-    shards = -(-n // shard_size)
+    todo = [s for s in range(job.shards(n)) if not shard_path(directory, s).exists()]
+    if executor is None or not isinstance(job.embedder, HashedNgramEmbedder):
+        executor = LocalExecutor(1)
+    if progress and todo:  # chunks of finished shards count as done
+        progress(n - sum(min(job.shard_size, n - s * job.shard_size) for s in todo))
     t0, embedded = time.perf_counter(), 0
-    for s in range(shards):
-        path = shard_path(directory, s)
-        if path.exists():
-            continue
-        lo, hi = s * shard_size, min(n, (s + 1) * shard_size)
-        out = np.empty((hi - lo, embedder.dim), dtype=np.float16)
-        for b in range(lo, hi, batch_size):
-            ids = np.arange(b, min(hi, b + batch_size))
-            out[b - lo : b - lo + len(ids)] = embedder.embed(table.tokens(source, ids, chunk_length))
-            if progress:
-                progress(len(ids))
-        save_npy_atomic(path, out)
-        embedded += hi - lo
-        kill_point("embeddings", s)
+    for _shard, rows in executor.run(partial(embed_shard, job), todo, progress):
+        embedded += rows
+        if progress and not executor.streams_progress:
+            progress(rows)
     seconds = time.perf_counter() - t0
     return {
-        "shards": shards,
-        "dim": embedder.dim,
+        "shards": job.shards(n),
+        "dim": job.embedder.dim,
         "embedded_now": embedded,
         "seconds": round(seconds, 3),
         "chunks_per_s": round(embedded / seconds) if embedded and seconds > 0 else None,
+        "executor": executor.name,
+        "workers": executor.workers,
     }
 
 

@@ -142,6 +142,13 @@ def test_query_knn_shows_chunks_as_text(tmp_path):
     r = CliRunner().invoke(query_knn_cmd, [str(tmp_path / "db"), "matrices in half precision", "-k", "1", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)[0]["text"] == texts[1]
+    # a database of an older embedder: its vectors cannot be compared with today's query vectors
+    manifest_path = tmp_path / "db" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["identity"]["embedder"] = "hashed-ngram-v1:dim=128:seed=0:bigram=1.0"
+    manifest_path.write_text(json.dumps(manifest))
+    r = CliRunner().invoke(query_knn_cmd, [str(tmp_path / "db"), "matrices"])
+    assert r.exit_code == 1 and "built with embedder hashed-ngram-v1" in r.output and "rebuild" in r.output
 
 
 @pytest.mark.parametrize(
@@ -149,7 +156,7 @@ def test_query_knn_shows_chunks_as_text(tmp_path):
     [
         (["/nonexistent/corpus_text_document"], "corpus_text_document.bin: no such file"),
         (["{data}", "--max-index-memory", "1K"], "too small for any index"),
-        (["{data}", "--index-key", "IVF8,Flat", "--dim", "96"], "multiple of 64"),
+        (["{data}", "--index-key", "IVF8,Flat", "--dim", "2048"], "needs 1..1024"),
     ],
 )
 def test_bad_input_is_one_line(dataset, tmp_path, args, message):
@@ -178,7 +185,9 @@ def test_existing_database_needs_resume_and_same_options(dataset, tmp_path):
 @pytest.mark.parametrize("kill_at", ["chunks:1", "embeddings:1", "index:0", "index:2", "neighbours:1"])
 def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
     """A real SIGKILL inside each stage (after its first shard/part), then --resume: the same bytes as one run."""
-    opts = ["--shard-size", "256", "--index-key", "IVF8,Flat", "--recall-queries", "200"]
+    # --workers 1: the tasks run in this process, so the kill takes the whole build down (a worker's death is
+    # the executor's business: tests/test_executors.py)
+    opts = ["--shard-size", "256", "--index-key", "IVF8,Flat", "--recall-queries", "200", "--workers", "1"]
     ref, out = tmp_path / "ref", tmp_path / "killed"
     build_knn(_config(dataset, ref, index_key="IVF8,Flat"))
     killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": kill_at})
@@ -189,6 +198,36 @@ def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
     assert _files(out) == _files(ref)
     assert not list(out.rglob("*.tmp")) and not (out / "index" / "trained.faiss.tmp").exists()
     shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.slow)])
+def test_shard_tasks_on_workers_give_the_same_bytes(dataset, tmp_path, executor):
+    """Chunking and embedding as shard tasks on 2 worker processes (or a 2-CPU Ray): the bytes of one process."""
+    if executor == "ray":
+        pytest.importorskip("ray")
+    one = build_knn(_config(dataset, tmp_path / "one", index_key="Flat", workers=1))
+    many = build_knn(_config(dataset, tmp_path / "many", index_key="Flat", workers=2, executor=executor))
+    assert _files(tmp_path / "many") == _files(tmp_path / "one")
+    for name in ("pca_mean.npy", "pca_components.npy"):
+        assert (tmp_path / "many" / "embeddings" / name).read_bytes() == (
+            tmp_path / "one/embeddings" / name
+        ).read_bytes()
+    assert many.stages["chunks"]["tasks"] >= 2 and many.stages["embeddings"]["shards"] == 2  # 493 chunks
+    assert (many.stages["embeddings"]["executor"], many.stages["embeddings"]["workers"]) == (executor, 2)
+    assert one.stages["embeddings"]["projection_sha256"] == many.stages["embeddings"]["projection_sha256"]
+
+
+def test_cli_progress_lines_per_stage(dataset, tmp_path):
+    """--progress into a pipe (a Slurm log): a line as each stage ends, at 100%, with its rate; JSON stays clean."""
+    r = run_cli("build-knn", dataset, "--output", str(tmp_path / "db"), "--shard-size", "256", "--progress", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("corpusforge build-knn:")]
+    for stage, unit in (("chunks", "chunks"), ("embedding", "chunks"), ("index", "vectors"), ("neighbours", "chunks")):
+        assert any(line.startswith(f"corpusforge build-knn: {stage} 100%") and f"{unit}/s" in line for line in lines), (
+            stage,
+            lines,
+        )
+    assert json.loads(r.stdout)["stages"]["embeddings"]["shards"] == 2
 
 
 def test_neighbours_for_another_training_dataset(dataset, tmp_path):

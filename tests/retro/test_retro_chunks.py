@@ -48,3 +48,29 @@ def test_no_chunk_crosses_a_document(tmp_path):
     starts, ends = document_bounds(ds)
     assert (t.start >= starts[t.doc]).all() and (t.start + t.length <= ends[t.doc]).all()
     assert int(t.length.sum()) == ds.num_tokens
+
+
+def test_document_ranges_give_the_same_bounds(tmp_path):
+    prefix = tmp_path / "multi"
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        for d in range(30):
+            w.add_document(np.arange(40 * d + 5), lengths=[5, 40 * d] if d % 3 else [40 * d + 5])
+    ds = IndexedDataset(prefix)
+    starts, ends = document_bounds(ds)
+    for lo, hi in ((0, 30), (0, 1), (7, 8), (4, 29), (29, 30)):
+        s, e = document_bounds(ds, lo, hi)
+        assert s.tolist() == starts[lo:hi].tolist() and e.tolist() == ends[lo:hi].tolist(), (lo, hi)
+
+
+def test_chunk_tasks_on_workers_write_the_same_bytes(tmp_path):
+    """Document ranges of ~50 chunks as tasks on 2 local worker processes: the files of the one-task pass."""
+    from corpusforge.executors import LocalExecutor
+
+    ds = IndexedDataset(write_dataset(tmp_path / "d", topical_documents(300)))
+    one = build_chunks(ds, tmp_path / "one", 64)
+    with LocalExecutor(2) as ex:
+        many = build_chunks(ds, tmp_path / "many", 64, per_task=50, executor=ex)
+    assert one["tasks"] == 1 and many["tasks"] > 10 and many["chunks"] == one["chunks"]
+    for name in ("doc", "start", "length", "doc_end"):
+        assert (tmp_path / "many" / f"{name}.npy").read_bytes() == (tmp_path / "one" / f"{name}.npy").read_bytes()
+    assert not list((tmp_path / "many").glob("*.tmp"))

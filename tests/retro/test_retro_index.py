@@ -56,7 +56,8 @@ def test_pq_index_builds_and_searches(tmp_path):
     from corpusforge.retro.neighbours import exact_search, recall_at, search
 
     rng = np.random.default_rng(0)
-    vectors = HashedNgramEmbedder(dim=64).embed(rng.integers(0, 500, (3000, 16))).astype(np.float16)
+    tokens = rng.integers(0, 500, (3000, 16))
+    vectors = HashedNgramEmbedder(dim=64).fit(tokens).embed(tokens).astype(np.float16)
     (tmp_path / "e").mkdir()
     np.save(shard_path(tmp_path / "e", 0), vectors[:2000])
     np.save(shard_path(tmp_path / "e", 1), vectors[2000:])
@@ -69,5 +70,36 @@ def test_pq_index_builds_and_searches(tmp_path):
     q = store.get(np.arange(0, 3000, 30))
     exact = exact_search(store, doc, q, doc[::30], 10)
     _, raw = index.search(q, 10)
-    approx, _ = search(index, store, doc, q, doc[::30], 10, 300, "nprobe=16,quantizer_efSearch=32")
+    approx, _ = search(index, store, doc, q, doc[::30], 10, 600, "nprobe=16,quantizer_efSearch=32")
     assert recall_at(approx, exact) >= 0.9 > recall_at(raw, exact)  # exact re-ranking recovers what PQ8 loses
+
+
+def test_recall_counts_ties_by_score():
+    """Chunks 1..3 are identical (same score): a search that returns 2 and 3 instead of the reference's 1 and 2 is
+    right; one that returns the worse chunk 4 is not."""
+    from corpusforge.retro.neighbours import recall_at
+
+    score = {0: -1.0, 1: 0.9, 2: 0.9, 3: 0.9, 4: 0.5}  # (-1, "none", is looked up as id 0 and masked)
+
+    def scores(ids):
+        return np.vectorize(score.get)(ids).astype(np.float32)
+
+    exact = np.array([[1, 2]])
+    assert recall_at(np.array([[2, 3]]), exact) == 0.5  # by ids
+    assert recall_at(np.array([[2, 3]]), exact, scores) == 1.0
+    assert recall_at(np.array([[3, 4]]), exact, scores) == 0.5
+    assert recall_at(np.array([[3, -1]]), np.array([[1, -1]]), scores) == 1.0
+
+
+def test_search_parameters_escalate_in_steps_of_one_and_a_half_to_4096():
+    from corpusforge.retro.index import escalate
+
+    ladder, p = [], "nprobe=8,quantizer_efSearch=64"
+    while p:
+        ladder.append(p)
+        p = escalate(p)
+    nprobe = [int(x.split(",")[0].split("=")[1]) for x in ladder]
+    assert nprobe[:5] == [8, 16, 24, 32, 48] and nprobe[-1] == 4096
+    assert all(b > a for a, b in zip(nprobe, nprobe[1:]))
+    assert all(int(x.split("quantizer_efSearch=")[1]) >= n for x, n in zip(ladder, nprobe))
+    assert escalate("efSearch=64") == "efSearch=96" and escalate("") is None
