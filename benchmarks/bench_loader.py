@@ -265,12 +265,19 @@ def machine_info() -> dict:
 
 
 def run_reads(spec: dict) -> dict:
-    """One read run in this (fresh) process: open the cached indices, warm or evict the .bin, read, measure."""
+    """One read run in this (fresh) process: warm or evict the .bin, open the cached indices, read, measure."""
     import torch.distributed
 
     torch.distributed.get_rank = lambda *a, **k: 0
     caches = Path(spec["caches"])
     chosen = {}
+    bin_path = spec["prefix"] + ".bin"
+    # Cached or evicted before the dataset is opened, as at the start of a job: read_mode "auto" looks at how much
+    # of the .bin is cached when it opens it.
+    if spec["temp"] == "warm":
+        warm(bin_path)
+    else:
+        drop_page_cache(bin_path)
     if spec["impl"] == "megatron":
         ds = megatron_build(spec["prefix"], spec["seq"], spec["sizes"], caches / "m")[0]
     else:
@@ -282,7 +289,6 @@ def run_reads(spec: dict) -> dict:
         run = lambda k: read_single(ds, k, ours)  # noqa: E731
     else:
         run = lambda k: read_loader(ds, k, ours)  # noqa: E731
-    bin_path = spec["prefix"] + ".bin"
     if spec["temp"] == "warm":
         warm(bin_path)
         return {**measure(run, spec["n"], spec["sample_bytes"], None, spec["repeats"]), **chosen}
