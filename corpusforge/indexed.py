@@ -107,13 +107,32 @@ def sync(prefix: str | os.PathLike) -> None:
     fsync_dir(bin_path(prefix).parent)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (POSIX: the directory entry is data of the directory)."""
+def _mergeable_source(prefix: str | os.PathLike, dtype: np.dtype) -> IndexedDataset:
+    """Open a dataset to be appended to an output of `dtype`, checked.
+
+    The output's pointers are recomputed from the lengths: an input whose pointers disagree with its lengths would
+    come out silently different from what it reads as, so it is validated (O(S), cheap next to the copy)."""
+    src = IndexedDataset(prefix)
+    src.validate()
+    if src.dtype != dtype:
+        raise IndexedFormatError(
+            f"{src.prefix}: tokens are {src.dtype} but the output is {dtype}; "
+            "datasets made with different tokenizers cannot be merged"
+        )
+    return src
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by its path; for a directory this makes a rename in it durable (POSIX: the
+    directory entry is data of the directory)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path  # the name the callers that make renames durable use
 
 
 def write_index(
@@ -210,15 +229,7 @@ class IndexedDatasetWriter:
     def add_dataset(self, prefix: str | os.PathLike) -> None:
         """Append every document of an existing dataset, copying its .bin at disk speed (no re-tokenizing)."""
         self._check_open()
-        src = IndexedDataset(prefix)
-        # The output's pointers are recomputed from the lengths: an input whose pointers disagree with its
-        # lengths would come out silently different from what it reads as, so check it (O(S), cheap next to the copy).
-        src.validate()
-        if src.dtype != self.dtype:
-            raise IndexedFormatError(
-                f"{src.prefix}: tokens are {src.dtype} but the output is {self.dtype}; "
-                "datasets made with different tokenizers cannot be merged"
-            )
+        src = _mergeable_source(prefix, self.dtype)
         self._bin.flush()
         with open(src.bin_path, "rb") as f:
             _copy_file(f, self._bin, src.num_tokens * self.dtype.itemsize)
@@ -618,15 +629,7 @@ class DatasetConcatenator:
         if self.closed:
             raise RuntimeError(f"{self.prefix}: concatenator is already finalized or discarded")
         self._raise_failed_copy()  # a full disk stops the run at the next part, not at the end
-        src = IndexedDataset(prefix)
-        # The output's pointers are recomputed from the lengths: an input whose pointers disagree with its
-        # lengths would come out silently different from what it reads as, so check it (O(S), cheap next to the copy).
-        src.validate()
-        if src.dtype != self.dtype:
-            raise IndexedFormatError(
-                f"{src.prefix}: tokens are {src.dtype} but the output is {self.dtype}; "
-                "datasets made with different tokenizers cannot be merged"
-            )
+        src = _mergeable_source(prefix, self.dtype)
         placement = Placement(os.fspath(src.bin_path), self.nbytes, src.num_tokens * self.dtype.itemsize)
         self._lengths.append(src.sequence_lengths.copy())
         self._doc_starts.append(src.document_indices[:-1] + self.num_sequences)

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.indexed import IndexedDataset, fsync_dir
+from corpusforge.indexed import IndexedDataset, fsync_dir, fsync_path
 
 _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -221,7 +221,7 @@ def _finish_entry(
         finally:
             written.set()
         for path in paths.values():
-            _fsync_path(path)
+            fsync_path(path)
         fsync_dir(desc_path.parent)
         _atomic_write(desc_path, lambda f: f.write(text))
         fsync_dir(desc_path.parent)
@@ -319,14 +319,6 @@ def _atomic_write(path: Path, write: Callable[[Any], object], durable: bool = Tr
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
