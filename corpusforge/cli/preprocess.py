@@ -7,7 +7,8 @@ import sys
 import click
 
 from corpusforge.cli import _report
-from corpusforge.executors import EXECUTORS, ExecutorError
+from corpusforge.cli._executor_options import executor_options
+from corpusforge.executors import ExecutorError
 from corpusforge.preprocess import PreprocessConfig, preprocess
 
 
@@ -34,24 +35,7 @@ from corpusforge.preprocess import PreprocessConfig, preprocess
     show_default=True,
     help="End every document with the end-of-document token.",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Tasks at once [default: one per core; with --executor ray, every CPU of the cluster].",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(EXECUTORS),
-    default="local",
-    show_default=True,
-    help="local: worker processes here; ray: Ray tasks on a cluster whose nodes share the file system.",
-)
-@click.option(
-    "--ray-address",
-    default=None,
-    help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one on this machine].",
-)
+@executor_options("Tasks")
 @click.option(
     "--retries",
     type=click.IntRange(min=0),

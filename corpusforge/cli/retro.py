@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import click
 
 from corpusforge.cli import _report
-from corpusforge.executors import EXECUTORS
+from corpusforge.cli._executor_options import executor_options
 
 # what each stage's bar counts
 _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}
@@ -60,20 +60,7 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
 @click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
-@click.option(
-    "--executor",
-    type=click.Choice(EXECUTORS),
-    default="local",
-    show_default=True,
-    help="Where the chunking and embedding shard tasks run: local processes, or Ray (nodes sharing the file system).",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Shard tasks at once [default: one per core; with --executor ray, every CPU of the cluster].",
-)
-@click.option("--ray-address", default=None, help="Ray cluster to join, e.g. auto [default: a new local one].")
+@executor_options("Shard tasks (chunking, embedding)")
 @click.option("--resume", is_flag=True, help="Finish an interrupted build in --output (same data and options).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars [default: on a terminal].")

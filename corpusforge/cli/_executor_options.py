@@ -1,0 +1,48 @@
+"""The options that pick where a command's shard tasks run (preprocess, build-knn): one definition for both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from corpusforge.executors import EXECUTORS
+
+
+def executor_options(tasks: str) -> Callable:
+    """--executor, --workers and --ray-address, `tasks` naming what runs (e.g. "Tasks", "Shard tasks").
+
+    Example:
+        >>> @click.command()
+        ... @executor_options("Tasks")
+        ... def run(executor, workers, ray_address): ...
+    """
+
+    def apply(command: Callable) -> Callable:
+        for option in reversed(
+            [
+                click.option(
+                    "--executor",
+                    type=click.Choice(EXECUTORS),
+                    default="local",
+                    show_default=True,
+                    help="local: worker processes here; ray: Ray tasks on a cluster whose nodes share the file system.",
+                ),
+                click.option(
+                    "--workers",
+                    type=click.IntRange(min=0),
+                    default=0,
+                    help=f"{tasks} at once [default: one per core; with --executor ray, every CPU of the cluster].",
+                ),
+                click.option(
+                    "--ray-address",
+                    default=None,
+                    help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one on "
+                    "this machine].",
+                ),
+            ]
+        ):
+            command = option(command)
+        return command
+
+    return apply
