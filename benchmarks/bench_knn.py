@@ -14,6 +14,10 @@ index for a 16 GiB budget, recall target 0.95, 40 re-ranked candidates, K=2), an
   RetroDataset serving (samples/s of 2048 tokens = 32 chunks, each with K=2 neighbours + continuation,
   random batches of 32 from the memmaps), and peak RSS of this process.
 
+--add-workers 1,2 [--add-keys IVF1024,Flat ...]: instead of the whole benchmark, the index stage's add tasks
+(fill.py) on 1 vs 2 local workers, on the same trained index and embeddings, repeats alternating (medians),
+the one-worker run being the anchor (what the one-process fill did); checks that every run wrote the same bytes.
+
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
 ladder, and how lexically close the nearest neighbours are (token-set Jaccard). --full-neighbours: the whole
@@ -220,6 +224,54 @@ def serving_rate(db: Path, batches: int = 50, batch: int = 32) -> dict:
     }
 
 
+def add_scaling(prefix: str, work: Path, keys: list[str], workers: list[int], repeats: int) -> dict:
+    """Index add time (tasks + merge, training excluded) per worker count, for each index key in `keys`."""
+    import hashlib
+
+    from corpusforge.executors import LocalExecutor
+    from corpusforge.retro.embed import EmbeddingStore
+    from corpusforge.retro.index import build_index, plan_index
+
+    out = {}
+    for key in keys:
+        db = work / f"add-{Path(prefix).name}-{key.replace(',', '_')}"
+        if not (db / "manifest.json").exists():  # chunks, embeddings, one index build (its add on every core)
+            build_knn(BuildConfig(prefix=prefix, output=str(db), index_key=key, neighbours=False))
+        n = len(ChunkTable.load(db / "chunks"))
+        store = EmbeddingStore(db / "embeddings", n, 128, 1 << 20)
+        plan = plan_index(n, 128, 16 << 30, key=key)
+        directory = db.with_name(db.name + "-runs")
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        shutil.copy(db / "index" / "trained.faiss", directory / "trained.faiss")
+        times, merges = {w: [] for w in workers}, {w: [] for w in workers}
+        digests = set()
+        for r in range(repeats):
+            for w in workers if r % 2 == 0 else workers[::-1]:  # alternating: a shared machine's load hits both
+                (directory / "index.faiss").unlink(missing_ok=True)
+                stats = build_index(plan, store, directory, 0, executor=LocalExecutor(w))
+                times[w].append(stats["add_s"])
+                merges[w].append(stats["merge_s"])
+                digests.add(hashlib.sha256((directory / "index.faiss").read_bytes()).hexdigest())
+        if len(digests) != 1:
+            raise SystemExit(f"{key}: the merged index differs between worker counts ({len(digests)} digests)")
+        base = float(np.median(times[workers[0]]))
+        out[key] = {
+            "vectors": n,
+            "tasks": stats["add_tasks"],
+            "train_s_once": json.loads((db / "manifest.json").read_text())["stages"]["index"]["train_s"],
+            "add_s": {w: times[w] for w in workers},
+            "median_add_s": {w: round(float(np.median(times[w])), 2) for w in workers},
+            "merge_s": {w: merges[w] for w in workers},
+            "median_merge_s": {w: round(float(np.median(merges[w])), 2) for w in workers},
+            "vectors_per_s": {w: round(n / float(np.median(times[w]))) for w in workers},
+            "speedup_vs_1": {w: round(base / float(np.median(times[w])), 2) for w in workers},
+            "index_sha256": digests.pop(),
+        }
+        shutil.rmtree(directory)
+    return out
+
+
 def run_autofaiss(python: str, db: Path, work: Path) -> dict:
     """autofaiss build_index on the same float16 shards (as float32 .npy), in its own interpreter."""
     emb_dir = work / "autofaiss-emb"
@@ -241,6 +293,23 @@ def run_autofaiss(python: str, db: Path, work: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _provenance() -> dict:
+    """Machine, versions, commit and date, for the JSON."""
+    return {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg": os.getloadavg(),
+            "python": platform.python_version(),
+        },
+        "versions": {p: importlib.metadata.version(p) for p in ("numpy", "faiss-cpu", "numba", "torch")},
+        "commit": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=1_000_000)
@@ -252,8 +321,13 @@ def main() -> None:
     ap.add_argument("--autofaiss-python", default=None, help="python of a venv with autofaiss installed")
     ap.add_argument("--anchor", action="store_true", help="also compare with v1's 128-d random projection (HNSW32)")
     ap.add_argument("--full-neighbours", action="store_true", help="run the whole neighbours stage (all chunks)")
-    ap.add_argument("--out", default=str(HERE / "results" / f"knn-{dt.date.today().isoformat()}.json"))
+    ap.add_argument("--add-workers", default=None, help="e.g. 1,2: only the index add, per worker count")
+    ap.add_argument("--add-keys", nargs="+", default=["IVF1024,Flat"], help="index keys for --add-workers")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    day = dt.date.today().isoformat()
+    args.out = args.out or str(HERE / "results" / (f"knn-add-{day}.json" if args.add_workers else f"knn-{day}.json"))
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -276,6 +350,21 @@ def main() -> None:
         )
     prefix = str(work / f"cut{args.chunks}")
     chunks = cut_dataset(f"{full}_text_document", prefix, args.chunks, 64)
+    if args.add_workers:
+        workers = [int(w) for w in args.add_workers.split(",")]
+        report = {"chunks": chunks, "add": add_scaling(prefix, work, args.add_keys, workers, args.repeats)}
+        report.update(_provenance())
+        for key, r in report["add"].items():
+            for w in workers:
+                print(
+                    f"{key:<24} {r['vectors']:,} vectors, {r['tasks']} tasks, {w} worker(s): "
+                    f"add {r['median_add_s'][w]:,.2f} s (merge {r['median_merge_s'][w]:,.2f} s)  "
+                    f"{r['vectors_per_s'][w]:,}/s  x{r['speedup_vs_1'][w]}"
+                )
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     db = work / f"db{args.chunks}"
     if not args.reuse:
         shutil.rmtree(db, ignore_errors=True)
@@ -307,17 +396,7 @@ def main() -> None:
         report["anchor"] = anchor_comparison(db, prefix)
     if args.autofaiss_python:
         report["autofaiss"] = run_autofaiss(args.autofaiss_python, db, work)
-    report["machine"] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_avg": os.getloadavg(),
-        "python": platform.python_version(),
-    }
-    report["versions"] = {p: importlib.metadata.version(p) for p in ("numpy", "faiss-cpu", "numba", "torch")}
-    report["commit"] = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    report["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    report.update(_provenance())
 
     rows = [
         ("chunks", f"{chunks:,}"),

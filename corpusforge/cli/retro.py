@@ -60,7 +60,14 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
 @click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
-@executor_options("Shard tasks (chunking, embedding)")
+@click.option(
+    "--index-on-disk/--index-in-ram",
+    "index_on_disk",
+    default=None,
+    help="Merge an IVF index's lists into index/index.ivfdata (searched memory-mapped) [default: when the planned "
+    "index needs more than half of this machine's RAM].",
+)
+@executor_options("Shard tasks (chunking, embedding, index add, neighbours)")
 @click.option("--resume", is_flag=True, help="Finish an interrupted build in --output (same data and options).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars [default: on a terminal].")
@@ -91,7 +98,7 @@ def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options)
         ("chunks", st["chunks"]["chunks"]),
         *_plan_rows(result.plan),
         ("embeddings", f"{st['embeddings']['dim']}-d float16, {st['embeddings']['shards']} shard(s)"),
-        ("train / add", f"{st['index']['train_s']:,.1f} s / {st['index']['add_s']:,.1f} s"),
+        ("train / add", f"{st['index']['train_s']:,.1f} s / {st['index']['add_s']:,.1f} s" + _tasks(st["index"])),
         (
             "recall@10",
             f"{rec['recall@10']:.4f} (without re-ranking {rec['recall_without_rerank']:.4f}), "
@@ -108,7 +115,8 @@ def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options)
         rows.append(
             (
                 "neighbours",
-                f"{st['neighbours']['queries']:,} x {st['neighbours']['k']} in {st['neighbours']['seconds']:,.1f} s",
+                f"{st['neighbours']['queries']:,} x {st['neighbours']['k']} in {st['neighbours']['seconds']:,.1f} s"
+                + _tasks(st["neighbours"]),
             )
         )
     _report.print_summary(f"corpusforge build-knn {prefix}", rows, data if as_json else None)
@@ -166,6 +174,16 @@ def stage_progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int
         yield on_stage
     finally:
         bar.stop()
+
+
+def _tasks(stats: dict) -> str:
+    """' (4 task(s) on 2 local worker(s))', or nothing for a stage recorded before it ran as tasks."""
+    if "workers" not in stats:
+        return ""
+    if stats["executor"] == "driver":  # an HNSW graph (which cannot be merged), or a model embedding queries
+        return " (one task, in this process)"
+    tasks = stats.get("add_tasks", stats.get("tasks"))
+    return f" ({tasks} task(s) on {stats['workers']} {stats['executor']} worker(s))"
 
 
 def _plan_rows(plan: dict) -> list[tuple[str, object]]:

@@ -11,12 +11,14 @@ Layout of a database directory, every file written under a temporary name and re
     embeddings/pca_*.npy           the hashed embedder's projection, fitted on the corpus (see hashed.py)
     embeddings/shard_NNNNN.npy     float16 (n, dim), L2-normalised, `shard_size` chunks each
     index/index.faiss              the filled index (index/trained.faiss, index/part_NNNNN.faiss while building)
+    index/index.ivfdata            its inverted lists, when merged on disk (an index larger than half the RAM)
     neighbours.bin                 int64 (queries, K) with a 64-byte header (see neighbours.py)
 
 Chunk tokens are never copied: neighbour and continuation tokens are read from the source `.bin` memmap.
-The chunks and embeddings stages split into shard tasks (document ranges, embedding shards) that an executor
-runs: local processes (`--workers`) or Ray (`--executor ray`, nodes sharing the file system); the bytes written
-do not depend on which, nor on how many workers. The index stage fills IVF indexes shard by shard too.
+Every stage but recall splits into shard tasks (document ranges, embedding shards, index add ranges, blocks of
+query chunks) that an executor runs: local processes (`--workers`) or Ray (`--executor ray`, nodes sharing the
+file system); the bytes written do not depend on which, nor on how many workers. Training the index, merging
+its parts and tuning recall run in the driver; an HNSW graph cannot be merged, so it is filled there too.
 """
 
 from corpusforge.retro.build import BuildConfig, BuildResult, build_knn, query_knn

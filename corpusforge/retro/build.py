@@ -23,6 +23,7 @@ from corpusforge.retro import index as index_mod
 from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.common import RetroError, data_fingerprint, open_dataset, parse_bytes, write_json_atomic
 from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
+from corpusforge.retro.hashed import HashedNgramEmbedder
 
 MANIFEST = "manifest.json"
 RECALL_K = 10
@@ -65,9 +66,14 @@ class BuildConfig:
     """Seeds the embedder, the training sample and the recall queries."""
     neighbours: bool = True
     """Run the neighbours stage (off: build the searchable index only)."""
+    index_on_disk: bool | None = None
+    """Merge an IVF index's inverted lists into index/index.ivfdata, searched memory-mapped, instead of holding them
+    in RAM; None: when the planned index needs more than half of this machine's RAM. Not part of the identity:
+    the lists and search results are the same either way."""
     executor: str = "local"
-    """Where the chunking and embedding shard tasks run: 'local' processes, or 'ray' (nodes sharing the file system).
-    The bytes written do not depend on it, nor on `workers`: neither is part of the identity of a build."""
+    """Where the shard tasks (chunking, embedding, index add, neighbours) run: 'local' processes, or 'ray' (nodes
+    sharing the file system). The bytes written do not depend on it, nor on `workers`: neither is part of the
+    identity of a build."""
     workers: int = 0
     """Shard tasks at once; 0: every core here (local) or every CPU of the Ray cluster."""
     ray_address: str | None = None
@@ -148,9 +154,20 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
         manifest["stages"][stage] = stats
         write_json_atomic(out / MANIFEST, manifest)
 
-    if not {"chunks", "embeddings"} <= set(manifest["stages"]):  # (a Ray executor connects on entry)
+    stages = {"chunks", "embeddings", "index", "recall"} | ({"neighbours"} if config.neighbours else set())
+    if not stages <= set(manifest["stages"]):  # (a Ray executor connects on entry: only when there is work)
         with make_executor(config.executor, config.workers, config.ray_address) as executor:
-            _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress)
+            try:
+                _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, executor, progress)
+            finally:
+                index_mod.shared_index.cache_clear()  # the driver's copy, which forked workers shared
+    return BuildResult(str(out), manifest["plan"], manifest["stages"], manifest["stages"]["recall"])
+
+
+def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, executor, progress) -> None:
+    """Every unfinished stage in order; all but recall run as tasks on `executor`."""
+    out = Path(config.output)
+    _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress)
     embedder = load_fitted(embedder, out / "embeddings")
     table = chunks_mod.ChunkTable.load(out / "chunks")
     store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
@@ -158,19 +175,22 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
         plan = index_mod.plan_index(len(table), embedder.dim, budget, config.train_per_list, config.index_key)
         manifest["plan"] = plan.to_dict()
         write_json_atomic(out / MANIFEST, manifest)
-        finish(
-            "index",
-            index_mod.build_index(plan, store, out / "index", config.seed, progress and progress("index", plan.n)),
-        )
+        on_disk = config.index_on_disk
+        if on_disk is None:
+            on_disk = not index_mod.fits_in_ram(plan.ram_bytes)
+        build = partial(index_mod.build_index, executor=executor, on_disk=on_disk and plan.nlist > 0)
+        finish("index", build(plan, store, out / "index", config.seed, progress and progress("index", plan.n)))
     plan = index_mod.IndexPlan(**manifest["plan"])
-    index = index_mod.load_index(out / "index" / "index.faiss", plan.search_params)
+    path = out / "index" / "index.faiss"
+    # the driver's index is the one the tasks share (forked workers inherit it): see index.shared_index
+    index = index_mod.shared_index(str(path.resolve()), path.stat().st_mtime_ns)
+    index_mod.set_search_params(index, plan.search_params)
     if "recall" not in manifest["stages"]:
         recall = _tune_recall(config, plan, index, store, table, progress and progress("recall", None))
         manifest["search_params"] = recall["search_params"]
         finish("recall", recall)
     if config.neighbours and "neighbours" not in manifest["stages"]:
-        finish("neighbours", _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress))
-    return BuildResult(str(out), manifest["plan"], manifest["stages"], manifest["stages"]["recall"])
+        finish("neighbours", _neighbours_stage(config, manifest, store, table, query_ds, embedder, executor, progress))
 
 
 def _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress) -> None:
@@ -275,33 +295,34 @@ def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact, scores) -> fl
     return nb_mod.recall_at(approx, exact, scores)
 
 
-def _neighbours_stage(config, manifest, index, store, table, query_ds, embedder, progress) -> dict:
-    out = Path(config.output)
-    if query_ds is None:
-        query_doc = table.doc
-        vectors = lambda lo, hi: store.get(np.arange(lo, hi))  # noqa: E731 - the DB's own chunks: stored already
-    else:  # another dataset's documents are not the DB's: nothing to exclude by document
+def _neighbours_stage(config, manifest, store, table, query_ds, embedder, executor, progress) -> dict:
+    out = Path(config.output).resolve()
+    queries = None
+    n = len(table)
+    if query_ds is not None:  # another dataset's chunks, embedded inside the tasks
         qtable = chunks_mod.ChunkTable.load(out / "query_chunks")
-        query_doc = None
-        vectors = lambda lo, hi: embedder.embed(  # noqa: E731
-            qtable.tokens(query_ds.tokens, np.arange(lo, hi), config.chunk_length)
+        queries = nb_mod.QueryChunks(
+            os.path.abspath(config.query_prefix), str(out / "query_chunks"), embedder, config.chunk_length
         )
-        vectors.n = len(qtable)
-    n = len(table) if query_ds is None else len(qtable)
-    stats = nb_mod.build_neighbours(
-        index,
-        store,
-        table.doc,
-        vectors,
-        query_doc,
-        out / "neighbours.bin",
-        config.k,
-        config.candidates,
-        manifest["search_params"],
-        block=min(config.shard_size, 65536),
-        progress=progress and progress("neighbours", n),
+        n = len(qtable)
+        if not isinstance(embedder, HashedNgramEmbedder):
+            executor = None  # a model (torch, maybe a GPU) embeds in this process only, as in the embeddings stage
+    job = nb_mod.NeighbourJob(
+        index=str(out / "index" / "index.faiss"),
+        params=manifest["search_params"],
+        chunks=str(out / "chunks"),
+        embeddings=str(out / "embeddings"),
+        dim=store.dim,
+        shard_size=config.shard_size,
+        parts=str(out / "neighbours.bin.parts"),
+        k=config.k,
+        candidates=config.candidates,
+        queries=queries,
     )
-    return stats
+    block = min(config.shard_size, 65536)
+    return nb_mod.build_neighbours(
+        job, n, out / "neighbours.bin", block, executor, progress=progress and progress("neighbours", n)
+    )
 
 
 def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -113,3 +114,44 @@ def import_faiss():
     except ImportError:
         raise RetroError("faiss is not installed; `pip install -e '.[retro]'` (faiss-cpu) fixes it") from None
     return faiss
+
+
+@contextlib.contextmanager
+def faiss_threads(threads: int):
+    """faiss's OpenMP threads set to `threads` inside the block (0: leave them), restored after.
+
+    A task in a forked local worker gets threads=1, and must: GNU OpenMP (libgomp, bundled with faiss-cpu) keeps
+    the parent's thread pool in its state across fork, so a child whose parent already ran a parallel region (the
+    driver trained the index, tuned recall) hangs at its first parallel region of more than one thread. With one
+    thread libgomp runs the region in the calling thread and never touches the pool; tests/retro check it with real
+    forked workers. The same holds for the OpenMP build of OpenBLAS that faiss-cpu bundles."""
+    if threads <= 0:
+        yield
+        return
+    faiss = import_faiss()
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
+@contextlib.contextmanager
+def c_stdout_to_stderr():
+    """Inside the block, what C code prints on stdout goes to stderr. faiss's on-disk inverted lists printf
+    ("resizing ... bytes", "IO_FLAG_ONDISK_SAME_DIR: updating ondisk filename ...") to file descriptor 1, which
+    is where `--json` writes its summary."""
+    import ctypes
+    import sys
+
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        libc.fflush(None)  # C's stdout buffer, before fd 1 points at stdout again
+        os.dup2(saved, 1)
+        os.close(saved)

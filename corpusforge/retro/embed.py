@@ -194,7 +194,7 @@ def embed_chunks(job: EmbedJob, n: int, executor=None, progress=None) -> dict:
     if progress and todo:  # chunks of finished shards count as done
         progress(n - sum(min(job.shard_size, n - s * job.shard_size) for s in todo))
     t0, embedded = time.perf_counter(), 0
-    for _shard, rows in executor.run(partial(embed_shard, job), todo, progress):
+    for _shard, rows in executor.run(partial(embed_shard, job), todo, progress) if todo else ():
         embedded += rows
         if progress and not executor.streams_progress:
             progress(rows)
@@ -214,7 +214,7 @@ class EmbeddingStore:
     """The float16 shards as one (N, dim) array for gathering rows by chunk id; checks every shard's shape."""
 
     def __init__(self, directory: Path, n: int, dim: int, shard_size: int) -> None:
-        self.n, self.dim, self.shard_size = n, dim, shard_size
+        self.directory, self.n, self.dim, self.shard_size = Path(directory), n, dim, shard_size
         self.shards = []
         for s in range(-(-n // shard_size)):
             path = shard_path(directory, s)

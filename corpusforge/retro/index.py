@@ -6,21 +6,26 @@ budget; IVF-Flat below 1M vectors; beyond that OPQ + IVF with an HNSW32 coarse q
 largest PQ code that fits, and the number of lists growing with N (4·sqrt(N) → 2^14..2^16 → 2^17 → 2^18).
 Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
 
-Filling: an IVF index is filled one embedding shard at a time, each into a copy of the trained empty index
-saved as `index/part_NNNNN.faiss` (resumable per shard, and independent tasks on a cluster), then the parts'
-inverted lists are merged into `index/index.faiss`. HNSW and Flat are filled in one pass.
+Filling: the driver trains and saves the empty index (`index/trained.faiss`); an IVF index is then filled by
+independent add tasks on the build's executor (local processes or Ray), each writing one part, and the parts'
+inverted lists are merged into `index/index.faiss`, on disk (`index/index.ivfdata`) when the index does not fit
+in RAM: see fill.py. HNSW and Flat cannot be merged and are filled in one pass, in the driver.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from corpusforge.retro.common import RetroError, human_bytes, import_faiss, kill_point
+from corpusforge.retro import fill
+from corpusforge.retro.common import RetroError, c_stdout_to_stderr, human_bytes, import_faiss, kill_point
 from corpusforge.retro.embed import EmbeddingStore
 
 # Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
@@ -164,9 +169,22 @@ def train_sample_ids(n: int, size: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False)) if size else np.zeros(0, np.int64)
 
 
-def build_index(plan: IndexPlan, store: EmbeddingStore, directory: Path, seed: int, progress=None) -> dict:
-    """The index stage: train on a seeded sample, fill shard by shard, merge; writes directory/index.faiss.
-    `progress(n)` is called as vectors are added."""
+def build_index(
+    plan: IndexPlan,
+    store: EmbeddingStore,
+    directory: Path,
+    seed: int,
+    progress=None,
+    executor=None,
+    on_disk: bool = False,
+) -> dict:
+    """The index stage: train on a seeded sample (here), fill as add tasks on `executor` (default: this process),
+    merge; writes directory/index.faiss. `on_disk`: merge an IVF index's lists into index.ivfdata (see fill.py).
+    `progress(n)` is called as vectors are added.
+
+    Example: build_index(plan_index(10**6, 128, 16 << 30), store, Path("db/index"), 0)["ntotal"] -> 1000000"""
+    from corpusforge.executors import LocalExecutor
+
     faiss = import_faiss()
     directory.mkdir(parents=True, exist_ok=True)
     for leftover in directory.glob("*.tmp"):
@@ -178,46 +196,49 @@ def build_index(plan: IndexPlan, store: EmbeddingStore, directory: Path, seed: i
         if plan.train_size:
             _seed_training(faiss, index, seed)
             index.train(store.get(train_sample_ids(plan.n, plan.train_size, seed)))
-        _write_index(faiss, index, trained_path)
+        fill.write_index_atomic(faiss, index, trained_path)
     kill_point("index", 0)
     t_train = time.perf_counter() - t0
+    executor = executor or LocalExecutor(1)
+    merge_s = 0.0
     if plan.nlist:
-        _fill_ivf_by_shard(faiss, store, directory, trained_path, progress)
+        tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress)
     else:
+        # HNSW (and Flat, below 1,000 vectors): one task, here, with every core. faiss cannot merge two HNSW
+        # graphs, so parts would have to be re-added one by one into one graph: the whole cost again.
         index = faiss.read_index(str(trained_path))
         for _first, block in store.blocks(rows=1 << 16):
             index.add(block)
             if progress:
                 progress(len(block))
-        _write_index(faiss, index, directory / "index.faiss")
+        fill.write_index_atomic(faiss, index, directory / "index.faiss")
+        tasks = 1
     for part in directory.glob("part_*.faiss"):
         part.unlink()
-    return {"train_s": round(t_train, 3), "add_s": round(time.perf_counter() - t0 - t_train, 3), "ntotal": store.n}
+    return {
+        "train_s": round(t_train, 3),
+        "add_s": round(time.perf_counter() - t0 - t_train, 3),
+        "ntotal": store.n,
+        "add_tasks": tasks,
+        "merge_s": round(merge_s, 3),
+        "executor": executor.name if plan.nlist else "driver",
+        "workers": executor.workers if plan.nlist else 1,
+    }
 
 
-def _fill_ivf_by_shard(faiss, store: EmbeddingStore, directory: Path, trained_path: Path, progress=None) -> None:
-    for s, arr in enumerate(store.shards):
-        part = directory / f"part_{s:05d}.faiss"
-        if part.exists():
-            if progress:
-                progress(len(arr))
-            continue
-        index = faiss.read_index(str(trained_path))
-        first = s * store.shard_size
-        for lo in range(0, len(arr), 1 << 18):
-            block = np.asarray(arr[lo : lo + (1 << 18)], dtype=np.float32)
-            index.add_with_ids(block, np.arange(first + lo, first + lo + len(block), dtype=np.int64))
-            if progress:
-                progress(len(block))
-        _write_index(faiss, index, part)
-        kill_point("index", s + 1)
-    merged = faiss.read_index(str(trained_path))
-    ivf = faiss.extract_index_ivf(merged)
-    for s in range(len(store.shards)):
-        part = faiss.read_index(str(directory / f"part_{s:05d}.faiss"))
-        ivf.merge_from(faiss.extract_index_ivf(part), 0)
-    merged.ntotal = ivf.ntotal
-    _write_index(faiss, merged, directory / "index.faiss")
+def _fill_ivf(store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None) -> tuple[int, float]:
+    """Every missing part as an add task on `executor`, then the merge (here); returns (tasks, merge seconds)."""
+    tasks = fill.add_tasks(store.n, store.shard_size)
+    todo = [t for t in tasks if not fill.part_path(directory, t[0]).exists()]
+    if progress and len(todo) < len(tasks):  # vectors of finished parts count as added
+        progress(store.n - sum(hi - lo for _, lo, hi in todo))
+    job = fill.AddJob(os.path.abspath(store.directory), os.path.abspath(directory), store.shard_size)
+    for _task, rows in executor.run(partial(fill.add_range, job), todo, progress) if todo else ():
+        if progress and not executor.streams_progress:
+            progress(rows)
+    t0 = time.perf_counter()
+    fill.merge_parts(directory, len(tasks), on_disk)
+    return len(tasks), time.perf_counter() - t0
 
 
 def _seed_training(faiss, index, seed: int) -> None:
@@ -231,23 +252,41 @@ def _seed_training(faiss, index, seed: int) -> None:
         pq.cp.seed = seed
 
 
-def _write_index(faiss, index, path: Path) -> None:
-    import os
-
-    tmp = path.with_name(path.name + ".tmp")
-    faiss.write_index(index, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_index(path: Path, search_params: str, mmap: bool = False):
+    """The index at `path` with `search_params` set. On-disk inverted lists are looked for beside it (not at the
+    path the build recorded), so a database directory may be moved or mounted elsewhere.
+
+    Example: load_index(Path("db/index/index.faiss"), "efSearch=256").ntotal -> 1000000"""
     faiss = import_faiss()
     if not path.exists():
         raise RetroError(f"{path}: no index; build it with `corpusforge build-knn ... --resume`")
-    index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0)
+    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    if path.with_suffix(".ivfdata").exists():
+        with c_stdout_to_stderr():  # faiss says where it found the lists, on stdout
+            index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
+    else:
+        index = faiss.read_index(str(path), flags)
     set_search_params(index, search_params)
     return index
+
+
+@functools.lru_cache(maxsize=2)
+def shared_index(path: str, mtime_ns: int):
+    """One loaded index per process and file version, for tasks: a forked local worker inherits the driver's (no
+    copy until written), a Ray worker loads it once for all the tasks it runs. Callers set their search params.
+
+    Example: shared_index("db/index/index.faiss", os.stat("db/index/index.faiss").st_mtime_ns).ntotal -> 1000000"""
+    return load_index(Path(path), "")
+
+
+def fits_in_ram(ram_bytes: int, share: float = 0.5) -> bool:
+    """Whether an index of `ram_bytes` fits in `share` of this machine's memory (the rest: page cache for the
+    embeddings the neighbours stage re-ranks from, and the driver's other arrays). Linux sysconf; True elsewhere."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return True
+    return ram_bytes <= share * total
 
 
 def set_search_params(index, params: str) -> None:

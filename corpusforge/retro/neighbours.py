@@ -11,6 +11,9 @@
     64      8*Q*K     int64 (Q, K): DB chunk ids, nearest first; -1 where fewer than K chunks qualify
 
 Row q belongs to chunk q of the query chunk table (the DB's own table unless another dataset was given).
+The stage runs as tasks on the build's executor (local processes or Ray): task b searches query chunks
+[b·block, (b+1)·block) and writes `neighbours.bin.parts/part_b.npy`; the file is the parts in order. Every
+block is searched alone, as in one process, so the bytes do not depend on the executor or the workers.
 Exclusion is by document id: a DB chunk whose document is the query's document is never a neighbour, however
 many near-duplicate chunks that document has (the search widens until K others are found or the index is
 exhausted). It never assumes the first hit is the query itself.
@@ -21,12 +24,22 @@ from __future__ import annotations
 import os
 import struct
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from corpusforge.retro.common import RetroError, fsync_dir, kill_point, load_npy, save_npy_atomic
-from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro.common import (
+    RetroError,
+    faiss_threads,
+    fsync_dir,
+    kill_point,
+    load_npy,
+    open_dataset,
+    save_npy_atomic,
+)
+from corpusforge.retro.embed import Embedder, EmbeddingStore
 from corpusforge.retro.index import set_search_params
 
 MAGIC = b"CFRKNN\x00\x01"
@@ -147,51 +160,119 @@ def recall_at(approx: np.ndarray, exact: np.ndarray, scores=None, tol: float = 1
 # -- the stage and the file ------------------------------------------------------------------------------------
 
 
-def build_neighbours(
-    index,
-    store: EmbeddingStore,
-    db_doc,
-    query_vectors,
-    query_doc,
-    path: Path,
-    k: int,
-    candidates: int,
-    params: str,
-    block: int,
-    progress=None,
-) -> dict:
-    """The neighbours stage: blocks of queries → `path.parts/part_NNNNN.npy` (resumable) → `path` with header.
+@dataclass(frozen=True)
+class QueryChunks:
+    """Another dataset's chunks as the queries: embedded inside each task, never stored."""
 
-    `query_vectors(lo, hi)` returns the float32 embeddings of query chunks [lo, hi)."""
-    n = len(query_doc) if query_doc is not None else query_vectors.n
-    parts = path.with_name(path.name + ".parts")
+    prefix: str
+    """The training dataset (PREFIX.bin/.idx) the chunks point into."""
+    chunks: str
+    """Its chunk table (DB/query_chunks)."""
+    embedder: Embedder
+    """The database's fitted embedder."""
+    chunk_length: int
+
+
+@dataclass(frozen=True)
+class NeighbourJob:
+    """What every neighbours task needs, as plain data: it pickles to a forked worker or a Ray node. Paths are
+    absolute (a Ray task may run on another node sharing the file system)."""
+
+    index: str
+    """DB/index/index.faiss."""
+    params: str
+    """Tuned search parameters (faiss ParameterSpace string)."""
+    chunks: str
+    """The database's chunks/ directory: the document of every DB chunk, for the exclusion."""
+    embeddings: str
+    dim: int
+    shard_size: int
+    parts: str
+    """Where task b writes part_b.npy: int64 (rows, K)."""
+    k: int
+    candidates: int
+    queries: QueryChunks | None = None
+    """None: the database's own chunks, their stored embeddings, with same-document exclusion."""
+
+
+def neighbours_range(job: NeighbourJob, task: tuple[int, int, int], ctx=None) -> int:
+    """One task: the neighbours of query chunks [lo, hi) → parts/part_NNNNN.npy (atomically); returns its rows.
+
+    Example (what an executor calls): neighbours_range(job, (2, 131072, 196608), TaskContext(report=print)) -> 65536
+    """
+    from corpusforge.retro.chunks import ChunkTable
+    from corpusforge.retro.index import shared_index
+
+    b, lo, hi = task
+    threads = ctx.threads if ctx is not None else 0
+    table = ChunkTable.load(Path(job.chunks))
+    store = EmbeddingStore(Path(job.embeddings), len(table), job.dim, job.shard_size)
+    if job.queries is None:
+        vectors, query_doc = store.get(np.arange(lo, hi)), np.asarray(table.doc[lo:hi])
+    else:  # another dataset's documents are not the DB's: nothing to exclude by document
+        vectors, query_doc = _embed_queries(job.queries, lo, hi, threads), None
+    # one OpenMP thread in a forked worker: see common.faiss_threads
+    with faiss_threads(threads):
+        index = shared_index(job.index, os.stat(job.index).st_mtime_ns)
+        ids, _ = search(index, store, table.doc, vectors, query_doc, job.k, job.candidates, job.params)
+    save_npy_atomic(Path(job.parts) / f"part_{b:05d}.npy", ids)
+    if ctx is not None and ctx.report:
+        ctx.report(hi - lo)
+    kill_point("neighbours", b)
+    return hi - lo
+
+
+def _embed_queries(queries: QueryChunks, lo: int, hi: int, threads: int) -> np.ndarray:
+    from corpusforge.retro.chunks import ChunkTable
+    from corpusforge.retro.hashed import HashedNgramEmbedder
+
+    qtable = ChunkTable.load(Path(queries.chunks))
+    tokens = qtable.tokens(open_dataset(queries.prefix).tokens, np.arange(lo, hi), queries.chunk_length)
+    if isinstance(queries.embedder, HashedNgramEmbedder):  # serial numba in a forked worker (see hashed.py)
+        return queries.embedder.embed(tokens, threads=threads)
+    return queries.embedder.embed(tokens)
+
+
+def build_neighbours(job: NeighbourJob, n: int, path: Path, block: int, executor=None, progress=None) -> dict:
+    """The neighbours stage: blocks of `block` query chunks as tasks on `executor` (default: this process), each
+    writing `path.parts/part_NNNNN.npy` (kept on resume) → `path` with its header, the parts in order. Without an
+    executor the tasks run in this process.
+
+    Example: build_neighbours(job, 10**6, Path("db/neighbours.bin"), 65536, executor)["queries"] -> 1000000"""
+    from corpusforge.executors import TaskContext
+
+    parts = Path(job.parts)
     parts.mkdir(parents=True, exist_ok=True)
     for leftover in parts.glob("*.tmp"):
         leftover.unlink()
+    tasks = [(b, lo, min(n, lo + block)) for b, lo in enumerate(range(0, n, block))]
+    todo = [t for t in tasks if not (parts / f"part_{t[0]:05d}.npy").exists()]
+    if progress and len(todo) < len(tasks):  # query chunks of finished parts count as done
+        progress(n - sum(hi - lo for _, lo, hi in todo))
     t0, served = time.perf_counter(), 0
-    nblocks = -(-n // block)
-    for b in range(nblocks):
-        part = parts / f"part_{b:05d}.npy"
-        if part.exists():
-            continue
-        lo, hi = b * block, min(n, (b + 1) * block)
-        qd = None if query_doc is None else np.asarray(query_doc[lo:hi])
-        ids, _ = search(index, store, db_doc, query_vectors(lo, hi), qd, k, candidates, params)
-        save_npy_atomic(part, ids)
-        served += hi - lo
-        if progress:
-            progress(hi - lo)
-        kill_point("neighbours", b)
-    _write_file(path, [parts / f"part_{b:05d}.npy" for b in range(nblocks)], n, k)
+    if executor is None:  # here, with all this process's threads: a model embedder (torch, maybe a GPU) stays here
+        results = ((t, neighbours_range(job, t, TaskContext(progress, threads=0))) for t in todo)
+        name, workers, streams = "driver", 1, True
+    else:
+        results = executor.run(partial(neighbours_range, job), todo, progress) if todo else ()
+        name, workers, streams = executor.name, executor.workers, executor.streams_progress
+    for _task, rows in results:
+        served += rows
+        if progress and not streams:
+            progress(rows)
+    _write_file(path, [parts / f"part_{b:05d}.npy" for b, _, _ in tasks], n, job.k)
     for p in parts.iterdir():
         p.unlink()
     parts.rmdir()
     seconds = time.perf_counter() - t0
     return {
         "queries": n,
-        "k": k,
+        "k": job.k,
         "seconds": round(seconds, 3),
         "queries_per_s": round(served / seconds) if served else None,
+        "tasks": len(tasks),
+        "executor": name,
+        "workers": workers,
     }
 
 

@@ -202,12 +202,16 @@ def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
 
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_shard_tasks_on_workers_give_the_same_bytes(dataset, tmp_path, executor):
-    """Chunking and embedding as shard tasks on 2 worker processes (or a 2-CPU Ray): the bytes of one process."""
+    """Chunking, embedding, index add and neighbours as shard tasks on 2 worker processes (or a 2-CPU Ray): the
+    bytes of one process. The local workers fork after the driver trained the index and tuned recall in OpenMP."""
     if executor == "ray":
         pytest.importorskip("ray")
-    one = build_knn(_config(dataset, tmp_path / "one", index_key="Flat", workers=1))
-    many = build_knn(_config(dataset, tmp_path / "many", index_key="Flat", workers=2, executor=executor))
+    one = build_knn(_config(dataset, tmp_path / "one", index_key="IVF8,Flat", workers=1))
+    many = build_knn(_config(dataset, tmp_path / "many", index_key="IVF8,Flat", workers=2, executor=executor))
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
+    for stage, tasks in (("index", "add_tasks"), ("neighbours", "tasks")):  # 493 chunks, 256 per shard and block
+        assert many.stages[stage][tasks] == 2 and many.stages[stage]["workers"] == 2, many.stages[stage]
+        assert many.stages[stage]["executor"] == executor
     for name in ("pca_mean.npy", "pca_components.npy"):
         assert (tmp_path / "many" / "embeddings" / name).read_bytes() == (
             tmp_path / "one/embeddings" / name

@@ -1,0 +1,129 @@
+"""Filling a trained IVF index as independent add tasks, then merging their parts (in RAM, or on disk).
+
+    index/trained.faiss         the trained, empty index (written by the driver before any task starts)
+    index/part_NNNNN.faiss      task N's vectors: a copy of trained.faiss holding rows [lo, hi) with their ids
+    index/index.faiss           the merged index; with on-disk inverted lists also index/index.ivfdata
+
+A task (`add_range`) loads trained.faiss, adds one range of `ADD_ROWS` rows of one embedding shard with their
+chunk ids, and writes its part atomically; a finished part is skipped when the stage is resumed. The ranges are
+fixed by N and the shard size alone (never by the number of workers), and they are the blocks the one-process
+fill added, so every vector meets the same quantizer arithmetic: the merged bytes do not depend on the executor
+or on how many workers ran it. The merge adds the parts' inverted lists in task order, which is what one
+`add_with_ids` over all rows in order gives (an IVF list holds its entries in insertion order).
+
+HNSW and Flat indexes have no inverted lists to merge (faiss cannot merge two HNSW graphs), so they are filled by
+`build_index` in one task in the driver; see index.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from corpusforge.retro.common import c_stdout_to_stderr, faiss_threads, fsync_dir, import_faiss, kill_point, load_npy
+from corpusforge.retro.embed import shard_path
+
+# Rows per add task: the block size of the one-process fill (so the bytes are those it wrote); at 100k vectors/s
+# per core (IVF-Flat) a task takes ~3 s, long beside loading trained.faiss and short enough to spread.
+ADD_ROWS = 1 << 18
+
+
+@dataclass(frozen=True)
+class AddJob:
+    """What every add task needs, as plain data: it pickles to a forked worker or a Ray node."""
+
+    embeddings: str
+    """The database's embeddings/ directory (absolute: a Ray task may run on another node)."""
+    directory: str
+    """The database's index/ directory: trained.faiss is read from it, parts are written to it."""
+    shard_size: int
+
+
+def add_tasks(n: int, shard_size: int, rows: int = ADD_ROWS) -> list[tuple[int, int, int]]:
+    """Tasks (i, lo, hi): ranges of at most `rows` vectors that never cross an embedding shard.
+
+    Example: add_tasks(700, 256, 200) -> [(0, 0, 200), (1, 200, 256), (2, 256, 456), (3, 456, 512), (4, 512, 700)]
+    """
+    tasks = []
+    for first in range(0, n, shard_size):
+        end = min(n, first + shard_size)
+        for lo in range(first, end, rows):
+            tasks.append((len(tasks), lo, min(end, lo + rows)))
+    return tasks
+
+
+def part_path(directory: Path, task: int) -> Path:
+    return directory / f"part_{task:05d}.faiss"
+
+
+def add_range(job: AddJob, task: tuple[int, int, int], ctx=None) -> int:
+    """One task: rows [lo, hi) of the embeddings, with their ids, into a copy of trained.faiss → part_NNNNN.faiss.
+    Returns the rows added.
+
+    Example (what an executor calls): add_range(job, (3, 786432, 1048576), TaskContext(report=print)) -> 262144"""
+    faiss = import_faiss()
+    i, lo, hi = task
+    directory = Path(job.directory)
+    shard = lo // job.shard_size
+    first = shard * job.shard_size
+    block = np.asarray(load_npy(shard_path(Path(job.embeddings), shard))[lo - first : hi - first], dtype=np.float32)
+    # One OpenMP thread in a forked worker: GNU OpenMP hangs a child whose parent already ran a parallel region
+    # (the driver trained the index) as soon as the child starts one with more threads.
+    with faiss_threads(ctx.threads if ctx is not None else 0):
+        index = faiss.read_index(str(directory / "trained.faiss"))
+        index.add_with_ids(block, np.arange(lo, hi, dtype=np.int64))
+    write_index_atomic(faiss, index, part_path(directory, i))
+    if ctx is not None and ctx.report:
+        ctx.report(hi - lo)
+    kill_point("index", i + 1)
+    return hi - lo
+
+
+def merge_parts(directory: Path, tasks: int, on_disk: bool) -> None:
+    """trained.faiss + the parts' inverted lists, in task order → index.faiss (and index.ivfdata when `on_disk`).
+
+    In RAM, the merged lists live in the index file; on disk, they are written to index.ivfdata (faiss's
+    OnDiskInvertedLists, as `faiss.contrib.ondisk.merge_ondisk` does) and the index file holds only their offsets,
+    so merging and searching need the quantizer in RAM, not the lists: the parts are read memory-mapped."""
+    faiss = import_faiss()
+    merged = faiss.read_index(str(directory / "trained.faiss"))
+    ivf = faiss.extract_index_ivf(merged)
+    parts = [part_path(directory, t) for t in range(tasks)]
+    if not on_disk:
+        for path in parts:
+            part = faiss.read_index(str(path))  # held while its lists are merged: the IVF view does not own it
+            ivf.merge_from(faiss.extract_index_ivf(part), 0)
+        merged.ntotal = ivf.ntotal
+        write_index_atomic(faiss, merged, directory / "index.faiss")
+        return
+    keep, lists = [], faiss.InvertedListsPtrVector()
+    for path in parts:
+        part = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
+        keep.append(part)  # the part owns its lists: it must outlive the merge
+        lists.push_back(faiss.extract_index_ivf(part).invlists)
+    data = directory / "index.ivfdata"
+    tmp = data.with_name(data.name + ".tmp")
+    with c_stdout_to_stderr():
+        ondisk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(tmp))
+        ntotal = ondisk.merge_from_multiple(lists.data(), lists.size(), False)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, data)  # the lists stay mapped through the rename (same inode)
+    ondisk.filename = str(data)  # what index.faiss records; load_index finds it beside index.faiss wherever it is
+    merged.ntotal = ivf.ntotal = ntotal
+    ivf.replace_invlists(ondisk, True)
+    ondisk.this.disown()
+    write_index_atomic(faiss, merged, directory / "index.faiss")
+
+
+def write_index_atomic(faiss, index, path: Path) -> None:
+    """faiss.write_index to `path.tmp`, fsync, rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    faiss.write_index(index, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
