@@ -8,10 +8,12 @@ they write their own output atomically, so running one twice is harmless. That i
             tokenizer), and stream progress events back through a queue. One worker, or one task, runs in
             the calling process instead. A worker process that dies (OOM killer, SIGKILL) breaks the pool:
             the pool is rebuilt and every unfinished task resubmitted, at most `retries` times.
-    ray     one Ray task per item (`num_cpus=1`), retried by Ray when its worker or node dies
-            (`max_retries`). Tasks may run on other machines, so every path must be absolute and on a file
-            system all nodes share. Progress arrives per finished task (from the results). Ray starts new
-            worker processes for every job (1-2 s); until they are up, the driver runs tasks itself (a share).
+    ray     every item a call on a pool of Ray actors, one per CPU of the cluster, which outlive the job for
+            `keep_workers` seconds (corpusforge._ray_pool): Ray would start new worker processes for every job
+            (1-1.5 s each, a quarter of a 1 GB preprocess); the next job finds these started, the tokenizer
+            loaded. Until new ones are up, the driver runs tasks itself (a share). Ray reruns the task of an
+            actor whose process died. Tasks may run on other machines, so every path must be absolute and on a
+            file system all nodes share. Progress arrives per finished task (from the results).
 
 Besides tasks, `submit(fn, item)` starts a short I/O step (preprocess copies finished parts into place with
 it): on a thread of the calling process (local), or as a zero-CPU Ray task spread over the nodes (ray).
@@ -39,6 +41,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, Thr
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from corpusforge import _ray_pool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -97,6 +101,11 @@ class Executor(ABC, Generic[T, R]):
         """Machines the tasks run on."""
         return 1
 
+    def warm_result(self, timeout: float = 0.0) -> object | None:
+        """What `warm_up` returned on a worker that is already warm (within `timeout` s), else None: a warm worker
+        tells the caller what it would otherwise load itself (preprocess: the tokenizer's facts)."""
+        return None
+
     @abstractmethod
     def submit(self, fn: Callable[[T], R], item: T) -> Future:
         """Start `fn(item)`, a short I/O step (copying a finished part into place), beside the running tasks
@@ -109,16 +118,18 @@ def make_executor(
     address: str | None = None,
     retries: int = 2,
     warm_up: Callable[[], object] | None = None,
+    keep_workers: float = _ray_pool.DEFAULT_KEEP_S,
 ) -> Executor:
     """The executor called `name`; `workers=0` means every core (local) or every CPU of the cluster (Ray).
-    `warm_up` is what every Ray worker should load before its first task (local workers inherit it by fork).
+    `warm_up` is what every Ray worker should load before its first task (local workers inherit it by fork);
+    `keep_workers` how many idle seconds Ray's workers wait for the next job.
 
     Example: make_executor("ray", address="auto") connects, on entry, to the cluster `ray start` made.
     """
     if name == "local":
         return LocalExecutor(workers, retries)
     if name == "ray":
-        return RayExecutor(address, workers, retries, warm_up)
+        return RayExecutor(address, workers, retries, warm_up, keep_workers)
     raise ExecutorError(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}")
 
 
@@ -162,7 +173,7 @@ class LocalExecutor(Executor):
     def run(
         self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
     ) -> Iterator[tuple[T, R]]:
-        if self._workers == 1 or len(items) == 1:
+        if self._workers == 1 or len(items) <= 1:
             # In this process: the task may use as many threads as workers were asked for.
             ctx = TaskContext(on_progress, threads=self._workers)
             for item in items:
@@ -255,8 +266,10 @@ def import_ray():
 
 
 class RayExecutor(Executor):
-    """One Ray task per item on the cluster at `address` ('auto': the one `ray start` made on this node;
-    None: a running `ray.init()` in this process, else a new local instance with `workers` CPUs)."""
+    """Tasks on the cluster at `address` ('auto': the one `ray start` made on this node; None: a running
+    `ray.init()` in this process, else a new local instance with `workers` CPUs), run by a pool of Ray worker
+    processes that outlives the job by `keep_workers` seconds (corpusforge._ray_pool), so the next job finds
+    them started, with the tokenizer loaded."""
 
     name = "ray"
     remote = True
@@ -268,11 +281,15 @@ class RayExecutor(Executor):
         workers: int = 0,
         retries: int = 2,
         warm_up: Callable[[], object] | None = None,
+        keep_workers: float = _ray_pool.DEFAULT_KEEP_S,
     ) -> None:
         self.address, self._workers, self.retries, self.warm_up = address, workers, retries, warm_up
+        self.keep_workers = keep_workers
         self._started = False
-        self._own_cpus = False  # a local instance started here with `workers` CPUs: Ray itself limits the tasks
-        self._warming: list = []
+        self._own_cpus = False  # a local instance started here with `workers` CPUs
+        self._names: list[tuple[str, str]] = []  # the pool's actors: (name, node id)
+        self._actors: list = []
+        self._claims: dict = {}  # claim ref -> actor position, until the actor has warmed up
         self._stdout = contextlib.ExitStack()
 
     def __enter__(self) -> RayExecutor:
@@ -283,11 +300,11 @@ class RayExecutor(Executor):
         try:
             if not ray.is_initialized():
                 self._connect(ray)
-            if self.warm_up is not None:
-                # A Ray worker process takes a second or more to start and import: start them now, so that this
-                # overlaps with what the caller does before run() (loading its own tokenizer, planning tasks).
-                warm = ray.remote(_warm_up).options(num_cpus=1)
-                self._warming = [warm.remote(self.warm_up) for _ in range(self.workers)]
+            self._names = _ray_pool.pool_names(ray, self.workers)
+            self._actors = [_ray_pool.actor(ray, name, node, self.retries) for name, node in self._names]
+            # A new actor takes a second or more to start and import: claim them now, so that this overlaps
+            # with what the caller does before run(); a warm one answers at once.
+            self._claims = {a.claim.remote(self._keep(), self.warm_up): i for i, a in enumerate(self._actors)}
         except BaseException:
             self.close()
             raise
@@ -312,7 +329,13 @@ class RayExecutor(Executor):
         self._started = True
 
     def close(self) -> None:
-        self._warming = []  # a failed warm-up is not an error: the first task meets the same cause and says it
+        self._claims = {}  # a failed warm-up is not an error: the first task meets the same cause and says it
+        if self._actors and self.keep_workers <= 0 and not self._started:
+            ray = import_ray()
+            for a in self._actors:  # not kept: end them now (a local instance ends with its shutdown anyway)
+                with contextlib.suppress(Exception):
+                    ray.kill(a, no_restart=True)
+        self._actors = []
         if self._started:
             import_ray().shutdown()
             self._started = False
@@ -327,6 +350,16 @@ class RayExecutor(Executor):
     @property
     def nodes(self) -> int:
         return max(1, sum(1 for node in import_ray().nodes() if node.get("Alive")))
+
+    def warm_result(self, timeout: float = 0.0) -> object | None:
+        if not self._claims:
+            return None
+        ray = import_ray()
+        ready, _ = ray.wait(list(self._claims), num_returns=1, timeout=timeout)
+        try:
+            return ray.get(ready[0]) if ready else None
+        except ray.exceptions.RayError:
+            return None
 
     def submit(self, fn: Callable[[T], R], item: T) -> Future:
         ray = import_ray()
@@ -350,51 +383,67 @@ class RayExecutor(Executor):
         self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
     ) -> Iterator[tuple[T, R]]:
         ray = import_ray()
-        # max_retries: Ray reruns a task whose worker process or node died; an exception raised by the task
-        # itself is not retried (retry_exceptions=False), as in the local executor.
-        task = ray.remote(_run_on_ray).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
         fn_ref = ray.put(fn)  # shipped once, not with every task
-        # On a cluster with --workers, at most that many in flight. Else twice as many as run at once: a worker
-        # that finishes finds its next task queued, and the rest stay here, where the driver can still take one
-        # (below). Ray runs them in submission order, which is the order the caller merges in.
-        window = self._workers if self._workers and not self._own_cpus else 2 * self.workers
-        queued = list(enumerate(items))[::-1]
-        pending: dict = {}
-        share = len(items) // (self.workers + 1)  # tasks the driver may run while the workers start
+        # One task in flight per actor: an actor that finishes gets the next in order, which is the order the
+        # caller merges in, and none holds a queue while another idles at the end. Tasks sent to an actor that
+        # is still starting wait in its queue; meanwhile the driver runs a worker's share itself (below).
+        queued = list(range(len(items)))[::-1]
+        free = list(range(len(self._actors)))[::-1]
+        pending: dict = {}  # run ref -> (item position, actor position)
+        lost: dict[int, int] = {}  # item position -> times its actor was lost
+        share = len(items) // (len(self._actors) + 1)  # tasks the driver may run while the workers start
+        self._workers_starting(ray, wait=0.1)  # a warm pool's claims are answered in milliseconds: none is starting
         try:
             while queued or pending:
-                while queued and len(pending) < window:
-                    pos, item = queued.pop()
-                    pending[task.remote(fn_ref, item)] = pos
+                while queued and free:
+                    pos, at = queued.pop(), free.pop()
+                    pending[self._actors[at].run.remote(fn_ref, items[pos])] = (pos, at)
                 if queued and share > 0 and self._workers_starting(ray):
-                    # A Ray worker process takes 1-2 s to start and import (per job: Ray does not keep them
-                    # between jobs); rather than wait for them idle, the driver runs tasks itself meanwhile, as
-                    # one more worker: never more than a worker's share, so the cluster still does the bulk.
+                    # A Ray worker process takes 1-2 s to start and import; rather than wait for it idle, the
+                    # driver runs tasks itself meanwhile, as one more worker: never more than a worker's share.
                     share -= 1
-                    pos, item = queued.pop()
-                    yield items[pos], fn(item, TaskContext(None, threads=1))
+                    pos = queued.pop()
+                    yield items[pos], fn(items[pos], TaskContext(None, threads=1))
                     continue
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
-                    pos = pending.pop(ref)
-                    yield items[pos], _ray_result(ray, ref, f"task {pos}", self.retries)
+                    pos, at = pending.pop(ref)
+                    try:
+                        result = ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        # Its actor ended (idle just as this job called it) or is lost for good: a new one, and the
+                        # task again, a bounded number of times.
+                        lost[pos] = lost.get(pos, 0) + 1
+                        if lost[pos] > self.retries:
+                            raise _ray_error(ray, e, f"task {pos}", self.retries) from None
+                        name, node = self._names[at]
+                        self._actors[at] = _ray_pool.replacement(ray, name, node, self.retries)
+                        self._actors[at].claim.remote(self._keep(), None)
+                        queued.append(pos)
+                        free.append(at)
+                        continue
+                    except ray.exceptions.RayError as e:
+                        raise _ray_error(ray, e, f"task {pos}", self.retries) from (
+                            e if isinstance(e, ray.exceptions.RayTaskError) else None
+                        )
+                    free.append(at)
+                    yield items[pos], result
         finally:
-            for ref in pending:  # after an error: stop the rest (a running task gets KeyboardInterrupt)
-                ray.cancel(ref)
+            for ref in pending:  # after an error: stop the rest (a task already running on an actor finishes)
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
 
-    def _workers_starting(self, ray) -> bool:
-        """Whether the cluster's workers are still starting: some warm-up (see __enter__) has not finished."""
-        if self._warming:
-            _, self._warming = ray.wait(self._warming, num_returns=len(self._warming), timeout=0)
-        return bool(self._warming)
+    def _keep(self) -> float:
+        """Idle seconds a claimed actor waits: `keep_workers`, but not less than it takes a job's first task to
+        reach it."""
+        return max(self.keep_workers, 5.0)
 
-
-def _ray_result(ray, ref, what: str, retries: int):
-    """The task's result; its own exception as itself (one line for the CLI), a lost worker as ExecutorError."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayError as e:
-        raise _ray_error(ray, e, what, retries) from (e if isinstance(e, ray.exceptions.RayTaskError) else None)
+    def _workers_starting(self, ray, wait: float = 0.0) -> bool:
+        """Whether some actor is still starting: its claim (see __enter__) has not finished within `wait` s."""
+        if self._claims:
+            _, left = ray.wait(list(self._claims), num_returns=len(self._claims), timeout=wait)
+            self._claims = {ref: self._claims[ref] for ref in left}
+        return bool(self._claims)
 
 
 def _ray_error(ray, e: BaseException, what: str, retries: int) -> BaseException:

@@ -74,6 +74,8 @@ class PreprocessConfig:
     ray_address: str | None = None
     """Ray cluster to join ('auto': the one `ray start` made on this node); None: a new one on this machine
     with `workers` CPUs (or every core)."""
+    ray_keep_workers: float = 60.0
+    """Idle seconds Ray's worker processes wait for the next job (corpusforge._ray_pool); 0 ends them with this one."""
     retries: int = 2
     """Times a task is run again when its worker process (or Ray node) dies; a task that raises is not retried."""
     merge_on_workers: bool | None = None
@@ -156,20 +158,39 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
     # Ray connects here, so that its workers start and load the tokenizer while this process loads its own;
     # the local executor starts nothing (its workers fork later, from a process that has started no thread).
     warm_up = partial(_warm_worker, config)
-    with make_executor(config.executor, config.workers, config.ray_address, config.retries, warm_up) as executor:
+    executor = make_executor(
+        config.executor, config.workers, config.ray_address, config.retries, warm_up, config.ray_keep_workers
+    )
+    with executor:
         return _preprocess(config, executor, on_progress, t0)
 
 
-def _warm_worker(config: PreprocessConfig) -> None:
+@dataclass(frozen=True)
+class _TokenizerFacts:
+    """What this process needs of the tokenizer when its workers tokenize: a warm Ray worker sends them."""
+
+    name: str
+    backend: str
+    fingerprint: str
+    vocab_size: int
+
+
+def _warm_worker(config: PreprocessConfig) -> _TokenizerFacts:
     """Load the tokenizer a task of `config` will use (and its engine's lazy imports) in this worker process."""
-    _tokenizer(config, threads=False).encode_batch(["warm up"])
+    tokenizer = _tokenizer(config, threads=False)
+    tokenizer.encode_batch(["warm up"])
+    return _TokenizerFacts(tokenizer.name, tokenizer.backend, tokenizer.fingerprint, tokenizer.vocab_size)
 
 
 def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: float) -> PreprocessStats:
-    tokenizer = _tokenizer(config, threads=False)
-    # Do what the engine does lazily on its first call (gigatoken sets up its encoder state: 0.05 s) here, once,
-    # rather than in every forked worker; serial, so no thread pool exists at the fork.
-    tokenizer.encode_batch(["warm up"])
+    # A Ray worker kept warm from the last job has the tokenizer loaded: its facts spare this process loading it
+    # (0.2 s, serial). Otherwise load it here, and do what the engine does lazily on its first call (gigatoken
+    # sets up its encoder state: 0.05 s) once, rather than in every forked worker; serial, so no thread pool
+    # exists at the fork.
+    tokenizer = executor.warm_result(timeout=0.05)
+    if tokenizer is None:
+        tokenizer = _tokenizer(config, threads=False)
+        tokenizer.encode_batch(["warm up"])
     workers = executor.workers
     files = sources.expand_inputs(config.inputs)
     fingerprint = _fingerprint(config, files, tokenizer)
@@ -352,10 +373,19 @@ _tokenizer_cache: dict = {}
 
 def _tokenizer(config: PreprocessConfig, threads: bool) -> Tokenizer:
     """Load once per process; forked workers find the parent's copy here."""
-    key = (config.tokenizer, config.engine, threads)
+    # A file's size and mtime are in the key: a long-lived (Ray pool) worker must not keep a tokenizer that changed.
+    key = (config.tokenizer, config.engine, threads, _stamp(config.tokenizer))
     if key not in _tokenizer_cache:
         _tokenizer_cache[key] = load_tokenizer(config.tokenizer, engine=config.engine, threads=threads)
     return _tokenizer_cache[key]
+
+
+def _stamp(spec: str | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(spec)
+    except (OSError, ValueError, TypeError):  # a named encoding (or the default: None), not a path
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _with_plan(on_progress: Callable[[Progress], None], plan: Progress) -> Callable[[Progress], None]:

@@ -2,6 +2,7 @@
 task is run again (a bounded number of times), and preprocess gives the same bytes on Ray as on local processes,
 also when a Ray worker is SIGKILLed in the middle of the job. Ray tests start a real local Ray with 2 CPUs."""
 
+import contextlib
 import json
 import os
 import signal
@@ -15,9 +16,11 @@ import psutil
 import pytest
 from test_preprocess import CLI, files_of, make_docs, run, write_jsonl
 
+from corpusforge import _ray_pool
 from corpusforge.executors import ExecutorError, LocalExecutor, TaskContext, make_executor
 
-RAY_BUSY = "ray::_run_on_ray"
+RAY_BUSY = "ray::PoolWorker.run"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def square(item: int, ctx: TaskContext) -> int:
@@ -157,7 +160,7 @@ def test_ray_worker_sigkilled_mid_job_still_gives_identical_output(tmp_path, ray
     args = ["preprocess", str(src), "--output-prefix", str(prefix), "--task-size", "200k", "--json", "--workers", "2"]
     args += ["--executor", "ray"]
     proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # A Ray worker runs under the title `ray::<function>` while it executes a task, `ray::IDLE` between tasks.
+    # A pool actor runs under the title `ray::PoolWorker.run` while it executes a task, `ray::PoolWorker` between.
     killed = _kill_when_busy(proc, Path(f"{prefix}.parts"), lambda p: " ".join(p.cmdline()).strip() == RAY_BUSY)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
@@ -255,3 +258,125 @@ def test_ray_driver_killed_then_resume_on_ray_redoes_only_missing_parts(tmp_path
     summary = json.loads(run(*args, "--resume", "--json").stdout)
     assert summary["tasks_resumed"] >= done_before and summary["executor"] == "ray"
     assert files_of(f"{prefix}_text_document") == files_of(f"{tmp_path}/whole_text_document")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray's worker pool: on a cluster that outlives the job (`ray start`), the next job finds the workers started
+
+
+def test_pool_slots_spread_over_nodes_one_per_cpu():
+    nodes = [
+        {"NodeID": "b", "Alive": True, "Resources": {"CPU": 2.0}},
+        {"NodeID": "a", "Alive": True, "Resources": {"CPU": 1.0}},
+        {"NodeID": "c", "Alive": False, "Resources": {"CPU": 8.0}},
+        {"NodeID": "d", "Alive": True, "Resources": {}},  # no CPU: runs nothing
+    ]
+    assert _ray_pool.slots(nodes, 3) == [("a", 0), ("b", 0), ("b", 1)]
+    assert _ray_pool.slots(nodes, 2) == [("a", 0), ("b", 0)]  # fewer workers than CPUs: still on both nodes
+    assert _ray_pool.slots(nodes, 4) == [("a", 0), ("b", 0), ("b", 1), ("a", 3)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_installed):
+    """A running Ray cluster of 2 CPUs (`ray start --head`, as under Slurm), in its own process group and temp
+    directory; yields its address. Stopped by signalling that group (`ray stop` would end every Ray here)."""
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="cfray", dir="/tmp")  # short: Ray's socket paths live under it
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--block", f"--temp-dir={temp}"]
+    cmd += ["--include-dashboard=false", "--disable-usage-stats"]
+    # Token authentication off, as for the loopback Ceph: a driver finds the token only under the default temp dir.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    address = f"127.0.0.1:{port}"
+    probe = f"import logging, ray; ray.init(address={address!r}, logging_level=logging.ERROR); ray.shutdown()"
+    deadline = time.time() + 120
+    try:
+        while True:
+            time.sleep(2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=20).returncode == 0:
+                    break
+            assert proc.poll() is None and time.time() < deadline, "ray start --head did not come up"
+        yield address
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # Ray drains for up to 30 s on SIGTERM: not needed here
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _new_driver(address: str, body: str) -> str:
+    """Run `body` in a new Python process connected to the cluster at `address` (a new Ray job); its stdout."""
+    code = f"import logging, os, ray\nray.init(address={address!r}, logging_level=logging.ERROR, log_to_driver=False)\n"
+    proc = subprocess.run([sys.executable, "-c", code + body], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _pool_names_alive(address: str) -> set[str]:
+    body = "print(' '.join(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
+    return set(_new_driver(address, body).split())
+
+
+@pytest.mark.slow
+def test_ray_pool_outlives_the_job_and_the_next_job_runs_on_the_same_workers(tmp_path, ray_cluster):
+    """Two CLI runs on a running cluster give local's bytes; between them, and in-process jobs, the pool's worker
+    processes stay, and the second job's warm-up answer (the tokenizer's facts) comes from a warm worker."""
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(3000, seed=6))
+    run("preprocess", src, "--output-prefix", tmp_path / "local", "--workers", "1")
+    for name in ("first", "second"):
+        args = ["--executor", "ray", "--ray-address", ray_cluster, "--task-size", "20k", "--json"]
+        summary = json.loads(run("preprocess", src, "--output-prefix", tmp_path / name, *args).stdout)
+        assert summary["executor"] == "ray" and summary["workers"] == 2
+        assert files_of(f"{tmp_path}/{name}_text_document") == files_of(f"{tmp_path}/local_text_document")
+    pool = {n for n in _pool_names_alive(ray_cluster) if n.startswith(f"worker-{_ray_pool.code_fingerprint()}-")}
+    assert len(pool) == 2, pool
+
+    body = (
+        "from corpusforge.executors import make_executor\n"
+        "with make_executor('ray', warm_up=os.getpid) as ex:\n"
+        "    warm = ex.warm_result(timeout=10)\n"
+        "    pids = sorted({pid for _, pid in ex.run(lambda i, ctx: os.getpid(), list(range(8)))})\n"
+        "print(warm, *pids)\n"
+    )
+    (warm1, *pids1), (warm2, *pids2) = (_new_driver(ray_cluster, body).split() for _ in range(2))
+    assert pids1 == pids2 and len(pids1) == 2 and warm2 in pids2  # the same two processes, warm at once
+
+
+@pytest.mark.slow
+def test_ray_pool_ends_itself_when_idle_and_replaces_an_actor_that_ended(ray_cluster):
+    import logging
+
+    import ray
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this test module
+    ray.init(address=ray_cluster, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        with make_executor("ray", keep_workers=0.5) as ex:
+            names = {name for name, _ in ex._names}
+            ray.kill(ex._actors[0], no_restart=True)  # as if it ended idle just as this job called it
+            done = dict(ex.run(square, list(range(6))))
+        assert done == {i: i * i for i in range(6)}
+        assert names <= _pool_names_alive(ray_cluster)
+        deadline = time.time() + 30  # kept 5 s at least (a job's first task must reach it), then it ends itself
+        while names & _pool_names_alive(ray_cluster) and time.time() < deadline:
+            time.sleep(1)
+        assert not names & _pool_names_alive(ray_cluster)
+        with make_executor("ray", keep_workers=0) as ex:  # not kept at all: ended when the job ends
+            names = {name for name, _ in ex._names}
+            assert dict(ex.run(square, [3])) == {3: 9}
+        deadline = time.time() + 10
+        while names & _pool_names_alive(ray_cluster) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not names & _pool_names_alive(ray_cluster)
+    finally:
+        ray.shutdown()

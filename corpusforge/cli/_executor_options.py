@@ -10,12 +10,12 @@ from corpusforge.executors import EXECUTORS
 
 
 def executor_options(tasks: str) -> Callable:
-    """--executor, --workers and --ray-address, `tasks` naming what runs (e.g. "Tasks", "Shard tasks").
+    """--executor, --workers, --ray-address and --ray-keep-workers; `tasks` names what runs (e.g. "Shard tasks").
 
     Example:
         >>> @click.command()
         ... @executor_options("Tasks")
-        ... def run(executor, workers, ray_address): ...
+        ... def run(executor, workers, ray_address, ray_keep_workers): ...
     """
 
     def apply(command: Callable) -> Callable:
@@ -39,6 +39,15 @@ def executor_options(tasks: str) -> Callable:
                     default=None,
                     help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one on "
                     "this machine].",
+                ),
+                click.option(
+                    "--ray-keep-workers",
+                    type=click.FloatRange(min=0),
+                    default=60.0,
+                    show_default=True,
+                    metavar="SECONDS",
+                    help="Ray: idle seconds the worker processes wait for the next job, which then starts at once "
+                    "(tokenizer loaded); 0 ends them with the job.",
                 ),
             ]
         ):

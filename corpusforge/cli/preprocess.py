@@ -60,6 +60,7 @@ def preprocess_cmd(
     workers,
     executor,
     ray_address,
+    ray_keep_workers,
     retries,
     on_bad_line,
     resume,
@@ -81,6 +82,7 @@ def preprocess_cmd(
         task_bytes=_parse_size(task_size),
         executor=executor,
         ray_address=ray_address,
+        ray_keep_workers=ray_keep_workers,
         retries=retries,
     )
     if ray_address and executor != "ray":

@@ -78,6 +78,8 @@ class BuildConfig:
     """Shard tasks at once; 0: every core here (local) or every CPU of the Ray cluster."""
     ray_address: str | None = None
     """Ray cluster to join ('auto': the one `ray start` made here); default a new local Ray."""
+    ray_keep_workers: float = 60.0
+    """Idle seconds Ray's worker processes wait for the next job (corpusforge._ray_pool); 0 ends them with this one."""
 
     def identity(self, data: dict, embedder_fp: str, query_data: dict | None) -> dict:
         """What a resumed build must share with the run it continues."""
@@ -156,7 +158,9 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
 
     stages = {"chunks", "embeddings", "index", "recall"} | ({"neighbours"} if config.neighbours else set())
     if not stages <= set(manifest["stages"]):  # (a Ray executor connects on entry: only when there is work)
-        with make_executor(config.executor, config.workers, config.ray_address) as executor:
+        with make_executor(
+            config.executor, config.workers, config.ray_address, keep_workers=config.ray_keep_workers
+        ) as executor:
             try:
                 _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, executor, progress)
             finally:
