@@ -69,7 +69,8 @@ def actor(ray, name: str, node: str, retries: int):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return (
-        ray.remote(PoolWorker)
+        # an "io" group: steps (copying parts into place) run beside the one running task
+        ray.remote(concurrency_groups={"io": 2})(PoolWorker)
         .options(
             name=name,
             namespace=NAMESPACE,
@@ -125,6 +126,17 @@ class PoolWorker:
             self._busy += 1
         try:
             return _run_on_ray(fn, item)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._last = time.monotonic()
+
+    def step(self, fn: Callable, item: Any) -> Any:
+        """A short I/O step (Executor.submit), called in the "io" concurrency group beside `run`."""
+        with self._lock:
+            self._busy += 1
+        try:
+            return fn(item)
         finally:
             with self._lock:
                 self._busy -= 1

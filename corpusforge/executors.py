@@ -290,6 +290,7 @@ class RayExecutor(Executor):
         self._names: list[tuple[str, str]] = []  # the pool's actors: (name, node id)
         self._actors: list = []
         self._claims: dict = {}  # claim ref -> actor position, until the actor has warmed up
+        self._step_turn = -1
         self._stdout = contextlib.ExitStack()
 
     def __enter__(self) -> RayExecutor:
@@ -363,9 +364,11 @@ class RayExecutor(Executor):
 
     def submit(self, fn: Callable[[T], R], item: T) -> Future:
         ray = import_ray()
-        # num_cpus=0: it moves bytes, so it runs at once beside the tokenizing tasks instead of queueing behind
-        # them; SPREAD: steps go to every node in turn, so the copying bandwidth grows with the cluster.
-        step = ray.remote(_run_step).options(num_cpus=0, scheduling_strategy="SPREAD", max_retries=self.retries)
+        # On the pool's actors, in their own concurrency group: it moves bytes, so it runs at once beside the
+        # tokenizing task instead of queueing behind it, in a process that is already up; steps go to every node
+        # in turn, so the copying bandwidth grows with the cluster.
+        self._step_turn += 1
+        actor = self._actors[self._step_actors()[self._step_turn % len(self._step_actors())]]
         out: Future = Future()
         what = f"step {getattr(fn, '__name__', fn)}"
 
@@ -376,8 +379,15 @@ class RayExecutor(Executor):
             else:
                 out.set_exception(_ray_error(ray, e, what, self.retries))
 
-        step.remote(fn, item).future().add_done_callback(settle)
+        actor.step.options(concurrency_group="io").remote(fn, item).future().add_done_callback(settle)
         return out
+
+    def _step_actors(self) -> list[int]:
+        """One actor per node (its first), the positions `submit` takes in turn."""
+        first: dict[str, int] = {}
+        for at, (_, node) in enumerate(self._names):
+            first.setdefault(node, at)
+        return list(first.values())
 
     def run(
         self, fn: TaskFn, items: Sequence[T], on_progress: Callable[[Any], None] | None = None
@@ -460,10 +470,6 @@ def _ray_error(ray, e: BaseException, what: str, retries: int) -> BaseException:
 
 def _warm_up(fn: Callable[[], object]) -> None:
     fn()
-
-
-def _run_step(fn: Callable[[T], R], item: T) -> R:
-    return fn(item)
 
 
 def _run_on_ray(fn: TaskFn, item: T) -> R:
