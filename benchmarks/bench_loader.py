@@ -11,11 +11,13 @@ once under benchmarks/work/loader/ and reused. Then, for both implementations:
            always writes its .npy caches, without fsync; corpusforge: build_gpt_datasets with cache_dir, which
            returns while a background thread writes, fsyncs and completes the caches, and without cache_dir);
            seconds until the datasets are returned, best and median of --build-repeats interleaved rounds (each
-           cache directory emptied outside the timing); for corpusforge also the seconds until its caches are
-           durable and complete (wait_for_index_caches).
+           cache directory emptied outside the timing); for corpusforge also the seconds until its cache files are
+           written and complete (wait_for_index_files: the same work as megatron-core's np.save, the fair
+           comparison) and until they are durable (wait_for_index_caches: fsyncs, which megatron-core skips).
   warm     the .bin read into the page cache first; samples/s over the first --samples samples of train (shuffled
            order), one process (megatron: ds[i] per sample; corpusforge: __getitems__ of micro-batches of 8, torch
-           int32 tensors) and through a torch DataLoader with 2 workers (batch 8).
+           int32 tensors) and through a torch DataLoader with 2 workers (batch 8; corpusforge's make_loader, whose
+           workers send the samples' raw text for the main process to assemble).
   cold     the .bin evicted (posix_fadvise DONTNEED) before each run; --cold-samples samples; bytes read from the
            block device by this process and its reaped workers (getrusage ru_inblock, 512-byte units), against
            the bytes of the samples read (samples * (seq_length + 1) * itemsize). corpusforge in each read mode,
@@ -50,7 +52,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from corpusforge.data import StorageConfig, build_gpt_datasets, make_loader  # noqa: E402
-from corpusforge.data.cache import wait_for_index_caches  # noqa: E402
+from corpusforge.data.cache import wait_for_index_caches, wait_for_index_files  # noqa: E402
 from corpusforge.indexed import IndexedDatasetWriter  # noqa: E402
 from corpusforge.pagecache import drop_page_cache  # noqa: E402
 
@@ -339,7 +341,7 @@ def main() -> None:
     ours_build(prefix_s, seq, sizes)  # numba compiles, or loads its cached machine code: once per process
     first_call_s = time.perf_counter() - t0
     # Builds take ~0.1 s: interleave and repeat them more than the reads, so that a busy neighbour hurts both.
-    times: dict[str, list[float]] = {"megatron": [], "corpusforge": [], "durable": [], "memory": []}
+    times: dict[str, list[float]] = {"megatron": [], "corpusforge": [], "files": [], "durable": [], "memory": []}
     for _ in range(args.build_repeats):
         fresh(caches / "m")
         t, m_sets = best_time(lambda: megatron_build(prefix_s, seq, sizes, caches / "m"), 1)
@@ -348,11 +350,16 @@ def main() -> None:
         t0 = time.perf_counter()
         o_sets = ours_build(prefix_s, seq, sizes, cache=caches / "o")
         t1 = time.perf_counter()
+        wait_for_index_files()  # the .npy files complete, as megatron-core leaves its own (np.save, no fsync)
+        t2 = time.perf_counter()
         wait_for_index_caches()  # outside the next timings: its fsyncs would slow whichever build comes next
         times["corpusforge"].append(t1 - t0)
+        times["files"].append(t2 - t0)
         times["durable"].append(time.perf_counter() - t0)
         times["memory"].append(best_time(lambda: ours_build(prefix_s, seq, sizes), 1)[0])
-    m_build, o_build, o_durable, o_build_mem = (min(times[k]) for k in ("megatron", "corpusforge", "durable", "memory"))
+    m_build, o_build, o_files, o_durable, o_build_mem = (
+        min(times[k]) for k in ("megatron", "corpusforge", "files", "durable", "memory")
+    )
     m_train, o_train = m_sets[0], o_sets[0]
     check = o_train.get_batch([0, 1, 2, len(o_train) - 1])["tokens"]
     for row, i in enumerate([0, 1, 2, len(o_train) - 1]):  # same samples, or the comparison means nothing
@@ -360,6 +367,7 @@ def main() -> None:
     report["build_s"] = {
         "megatron": round(m_build, 3),
         "corpusforge": round(o_build, 3),
+        "corpusforge_until_cache_files_written": round(o_files, 3),
         "corpusforge_until_caches_durable": round(o_durable, 3),
         "corpusforge_no_cache_files": round(o_build_mem, 3),
         "corpusforge_first_build_in_process": round(first_call_s, 3),
@@ -424,6 +432,13 @@ def main() -> None:
 
     report["ratios"] = {
         "build megatron/corpusforge": round(m_build / o_build, 2),
+        "build megatron/corpusforge, cache files written": round(m_build / o_files, 2),
+        "build median megatron/corpusforge": round(
+            float(np.median(times["megatron"]) / np.median(times["corpusforge"])), 2
+        ),
+        "build median megatron/corpusforge, cache files written": round(
+            float(np.median(times["megatron"]) / np.median(times["files"])), 2
+        ),
         "warm single corpusforge/megatron": ratio("warm corpusforge batch (auto, default)", "warm megatron ds[i]"),
         "warm single corpusforge pread/megatron": ratio("warm corpusforge batch (pread)", "warm megatron ds[i]"),
         "warm loader(2) corpusforge/megatron": ratio(
@@ -455,7 +470,8 @@ def print_table(report: dict) -> None:
     b = report["build_s"]
     print(
         f"\nindex build, caches written (s): megatron-core {b['megatron']:.3f}   corpusforge {b['corpusforge']:.3f}"
-        f"   (until its caches are durable: {b['corpusforge_until_caches_durable']:.3f}; in memory only: "
+        f"   (until its cache files are written: {b['corpusforge_until_cache_files_written']:.3f}; durable: "
+        f"{b['corpusforge_until_caches_durable']:.3f}; in memory only: "
         f"{b['corpusforge_no_cache_files']:.3f}); best of {b['rounds']}, medians {json.dumps(b['median'])}"
     )
     print(f"\n{'run':48} {'samples':>8} {'samples/s':>10} {'read MB':>9} {'amplif.':>8}  mode")

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from corpusforge._jit import njit
+from corpusforge.data.batch import RawBatch, assemble
 from corpusforge.data.cache import IndexCache, picklable, unpickled
-from corpusforge.data.gpt_dataset import GPTDataset, make_batch, to_torch
+from corpusforge.data.gpt_dataset import GPTDataset, prefetch_upcoming
 
 # ---------------------------------------------------------------------------------------------------------------
 # the blend list
@@ -241,16 +242,26 @@ class BlendedDataset:
 
     def get_batch(self, ids) -> dict[str, np.ndarray]:
         """Samples `ids` as numpy arrays, plus `dataset_id` (B,) int32: which dataset each came from."""
+        return assemble(self.read_raw(ids), self.config)
+
+    def read_raw(self, ids) -> RawBatch:
+        """The text of samples `ids` as read (see GPTDataset.read_raw), with the dataset of each."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         which = self.dataset_index[ids].astype(np.int32)
         inner = self.dataset_sample_index[ids]
-        text = np.empty((len(ids), self.config.seq_length + self.config.extra), dtype=np.int32)
-        for d in np.unique(which):
-            rows = which == d
-            text[rows] = self.datasets[d].get_text(inner[rows])
-        return {**make_batch(text, self.config), "dataset_id": which}
+        parts = {int(d): (which == d, self.datasets[d].read_raw(inner[which == d])) for d in np.unique(which)}
+        dtype = np.result_type(np.uint16, *(raw.text.dtype for _, raw in parts.values()))
+        text = np.empty((len(ids), self.config.seq_length + self.config.extra), dtype=dtype)
+        for rows, raw in parts.values():
+            text[rows] = raw.text
+        return RawBatch(text, any(raw.maybe_padded for _, raw in parts.values()), which)
+
+    @property
+    def remote(self) -> bool:
+        """Whether any dataset of the blend comes over the network."""
+        return any(part.remote for part in self.datasets)
 
     def prefetch(self, ids) -> None:
         """Start fetching what samples `ids` need from the remote datasets of the blend (soonest first)."""
@@ -262,10 +273,8 @@ class BlendedDataset:
                 part.prefetch(inner[which == d])
 
     def __getitems__(self, ids: list[int]) -> dict[str, Any]:
-        upcoming = getattr(ids, "upcoming", None)  # a loader's BatchIds: the batches this worker reads next
-        if upcoming is not None and any(part.remote for part in self.datasets):
-            self.prefetch([*ids, *upcoming])
-        return to_torch(self.get_batch(ids))
+        prefetch_upcoming(self, ids)
+        return assemble(self.read_raw(ids), self.config, as_torch=True)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {k: v[0] for k, v in self.__getitems__([i]).items()}

@@ -15,13 +15,15 @@ builds; later holders find the description and load. Where the file system has n
 an `O_CREAT|O_EXCL` lock file with the holder's pid and host replaces it.
 
 Writing is off the builder's critical path: the builder returns the arrays it built as soon as they are built; a
-background thread of the builder then writes them (temporary name, rename), fsyncs them and the directory, writes
-the description (fsync, rename, fsync) and only then releases the lock. So the description, which readers require,
+background thread of the builder then writes them (temporary name, rename), and a second one fsyncs them and the
+directory, writes the description (fsync, rename, fsync) and only then releases the lock (two threads, so that
+one entry's fsyncs do not delay the next entry's files). So the description, which readers require,
 exists on disk only after the arrays it vouches for are durable: a crash or a kill before that leaves arrays
 without a description, which nobody loads and the next builder overwrites; and processes waiting on the lock wake
 up to a complete entry. Until the arrays are written, the builder holds them in its memory; a dataset pickled to
-a spawned worker then waits for the write and sends their paths. The interpreter waits for the thread at exit
-(concurrent.futures joins its workers), and `wait_for_index_caches()` waits for it explicitly.
+a spawned worker then waits for the write and sends their paths. The interpreter waits for the threads at exit
+(concurrent.futures joins its workers), `wait_for_index_caches()` waits for them explicitly, and
+`wait_for_index_files()` until the array files are complete (not yet durable).
 
 Example:
     >>> cache = IndexCache("cache/")
@@ -159,9 +161,14 @@ class IndexCache:
         record = {"description": description, "arrays": sorted(arrays)}
         text = json.dumps(record, indent=1, sort_keys=True).encode()
         written = _Written()
+        _WRITTEN.append(written)
         for name, array in arrays.items():
             _remember_file(array, paths[name], written)
-        _PENDING.append(_writer().submit(_finish_entry, arrays, paths, desc_path, text, written, lock))
+        # Two threads, so that one entry's fsyncs do not hold back the next entry's writes: the writer writes the
+        # arrays of each entry in turn; the syncer, once an entry's arrays are written, makes them durable, writes
+        # the description and releases the lock. Both are submitted now: nothing is submitted at interpreter exit.
+        _writer().submit(_write_arrays, arrays, paths, written, desc_path)
+        _PENDING.append(_syncer().submit(_complete_entry, paths, desc_path, text, written, lock))
         return arrays, True
 
     def wait(self) -> None:
@@ -169,10 +176,13 @@ class IndexCache:
         wait_for_index_caches()
 
 
-# The background thread of this process that finishes the entries it built (one: entries are written in the order
-# they were built, and a submit does not wait for a thread to start), what it has to do, and what went wrong.
+# The background threads of this process that finish the entries it built (one writer and one syncer: entries are
+# written in the order they were built, and a submit does not wait for a thread to start), what is left to finish,
+# and what went wrong.
 _WRITER: tuple[int, ThreadPoolExecutor] | None = None
+_SYNCER: tuple[int, ThreadPoolExecutor] | None = None
 _PENDING: list[Future] = []
+_WRITTEN: list[_Written] = []  # per entry: set once its arrays are under their final names (class below)
 _ERRORS: list[tuple[Path, BaseException]] = []
 
 
@@ -181,6 +191,13 @@ def _writer() -> ThreadPoolExecutor:
     if _WRITER is None or _WRITER[0] != os.getpid():  # a forked child has the object but not the thread
         _WRITER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="index-cache"))
     return _WRITER[1]
+
+
+def _syncer() -> ThreadPoolExecutor:
+    global _SYNCER
+    if _SYNCER is None or _SYNCER[0] != os.getpid():
+        _SYNCER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="index-cache-sync"))
+    return _SYNCER[1]
 
 
 class _Written(threading.Event):
@@ -199,33 +216,41 @@ def _remember_file(array: np.ndarray, path: Path, written: _Written) -> None:
     _FILES[key] = (weakref.ref(array, lambda _, key=key: _FILES.pop(key, None)), path, written)
 
 
-def _finish_entry(
-    arrays: Mapping[str, np.ndarray],
-    paths: Mapping[str, Path],
-    desc_path: Path,
-    text: bytes,
-    written: _Written,
-    lock: contextlib.ExitStack,
+def _write_arrays(
+    arrays: Mapping[str, np.ndarray], paths: Mapping[str, Path], written: _Written, desc_path: Path
 ) -> None:
-    """Off the builder's critical path: write the arrays (temporary name, rename), fsync them and the directory,
-    then write the description (fsync, rename, fsync); only then release the build lock."""
+    """Off the builder's critical path: write each array (temporary name, rename), not yet durable."""
     # Lowest CPU priority for this thread alone (Linux: a thread id is a valid PRIO_PROCESS target): on a busy
     # node it must not slow the builder, which goes on building the next split or starts training.
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
-        try:
-            for name, array in arrays.items():
-                _atomic_write(paths[name], partial(_save, array=array), durable=False)
-            written.ok = True
-        finally:
-            written.set()
+        for name, array in arrays.items():
+            _atomic_write(paths[name], partial(_save, array=array), durable=False)
+        written.ok = True
+    except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
+        _ERRORS.append((desc_path, e))
+    finally:
+        written.set()
+
+
+def _complete_entry(
+    paths: Mapping[str, Path], desc_path: Path, text: bytes, written: _Written, lock: contextlib.ExitStack
+) -> None:
+    """Once the arrays are written: fsync them and the directory, then write the description (fsync, rename,
+    fsync); only then release the build lock."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # as the writer
+    try:
+        written.wait()
+        if not written.ok:
+            return
         for path in paths.values():
             fsync_path(path)
         fsync_dir(desc_path.parent)
         _atomic_write(desc_path, lambda f: f.write(text))
         fsync_dir(desc_path.parent)
-    except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
+    except BaseException as e:
         _ERRORS.append((desc_path, e))
     finally:
         lock.close()
@@ -243,10 +268,24 @@ def wait_for_index_caches() -> None:
     """
     while _PENDING:
         _PENDING.pop().result()
+    _WRITTEN.clear()  # every entry finished above has its files written
     if _ERRORS:
         (where, error), *_ = _ERRORS
         _ERRORS.clear()
         raise OSError(f"{where}: the index cache entry could not be made durable ({error}); it will be rebuilt")
+
+
+def wait_for_index_files() -> None:
+    """Wait until the arrays of every index cache entry this process built are under their final names: complete
+    files in the page cache, as Megatron-Core leaves its caches (np.save, no fsync), but not yet durable nor
+    loadable by others (wait_for_index_caches waits for that). For comparing build times with the same work done.
+
+    Example:
+        >>> train, valid, test = build_gpt_datasets("out/a_text_document", 1024, cache_dir="cache/")
+        >>> wait_for_index_files()      # cache/*-document_index.npy ... exist, complete
+    """
+    while _WRITTEN:
+        _WRITTEN.pop().wait()
 
 
 class MappedArray:

@@ -7,8 +7,9 @@ samples consumed globally, so resuming costs nothing, and resuming with another 
 global order: a run of 4 ranks stopped after k steps has consumed 4 * k * micro_batch_size samples, and 2 ranks go
 on from there.
 
-Each DataLoader fetch is one micro-batch: the batch sampler hands the dataset a list of ids, and the dataset's
-`__getitems__` reads them with one gather and returns int32 tensors (widen them on the GPU).
+Each DataLoader fetch is one micro-batch: the batch sampler hands the dataset a list of ids, and the dataset reads
+them with one gather. Without workers, its `__getitems__` returns int32 tensors (widen them on the GPU); with
+workers, they send the raw text (RawBatches) and this process assembles the same tensors.
 
 Example:
     >>> loader = make_loader(train, micro_batch_size=8, dp_rank=0, dp_world_size=4, num_workers=2)
@@ -23,7 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from corpusforge.data.batch import assemble
 from corpusforge.data.cache import describe_differences, description_hash
+from corpusforge.data.gpt_dataset import prefetch_upcoming
 
 STATE_VERSION = 1
 
@@ -148,6 +151,39 @@ def _keep_batch(batch: Any) -> Any:
     return batch
 
 
+class RawBatches:
+    """What DataLoader workers read: a dataset's batches as RawBatch (the samples' text in the token file's dtype),
+    which the main process assembles into tensors.
+
+    A worker's result reaches the main process pickled through a pipe, except torch tensors, which go through a
+    shared-memory segment and a file descriptor passed per storage: ~1 ms a batch here, which held 2 workers to
+    5-8K samples/s of (8, 2048) batches. The raw text is 8x smaller than the assembled batch (uint16 against four
+    int32 fields) and crosses the pipe in ~0.1-0.2 ms; assembling it takes ~10 us (corpusforge/data/batch.py).
+    2 workers then gave 35K samples/s (benchmarks/results/loader-2026-11-22.json).
+
+    Example:
+        >>> RawBatches(train).__getitems__([0, 1]).text.shape
+        (2, 2049)
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, ids: list[int]) -> Any:
+        prefetch_upcoming(self.dataset, ids)
+        return self.dataset.read_raw(ids)
+
+
+def _accelerator() -> bool:
+    """Whether page-locked memory can be had (torch's DataLoader also pins only where there is an accelerator)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Loader:
     """A resumable per-rank loader over a GPTDataset or BlendedDataset.
 
@@ -208,18 +244,22 @@ class Loader:
                 "multiprocessing_context": self.multiprocessing_context,
             }
         batches = LookaheadBatches(self._sampler(self.consumed_samples), max(1, self.num_workers))
+        # Workers send raw text, assembled here (see RawBatches), straight into page-locked memory when pinning.
+        raw = self.num_workers > 0
+        pin = self.pin_memory and raw and _accelerator()
         loader = DataLoader(
-            self.dataset,
+            RawBatches(self.dataset) if raw else self.dataset,
             batch_sampler=batches,
             num_workers=self.num_workers,
             collate_fn=_keep_batch,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pin_memory and not raw,
             **workers,
         )
+        config = self.dataset.config
         for batch in loader:
             # Counted when handed over, not when prefetched: a state saved now resumes at the next batch.
             self.consumed_samples += self.global_batch_size
-            yield batch
+            yield assemble(batch, config, as_torch=True, pin_memory=pin) if raw else batch
 
     def state_dict(self) -> dict[str, Any]:
         """What resuming needs: samples consumed by all ranks, the seed, and the data's fingerprint."""

@@ -11,6 +11,7 @@ from loader_data import EOD, write_dataset
 from corpusforge.data import GPTDataset, GPTDatasetConfig, IndexCache
 from corpusforge.data.gpt_dataset import build_indices, build_sample_index, split_ranges
 from corpusforge.indexed import IndexedDataset
+from corpusforge.storage import StorageConfig
 
 
 def test_indices_are_pinned_for_a_seed():
@@ -66,6 +67,8 @@ def test_lock_without_flock(tmp_path, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "no locks")
 
+    # Entries earlier tests built may still be finishing in the background: they unlock with the real flock.
+    cache.wait_for_index_caches()
     monkeypatch.setattr(cache.fcntl, "flock", no_flock)
     arrays, built = IndexCache(tmp_path).get_or_build("X", {"a": 1}, lambda: {"v": np.arange(4)})
     assert built and arrays["v"].tolist() == [0, 1, 2, 3]
@@ -97,3 +100,46 @@ def test_empty_split_with_no_samples_asked(corpora):
 
     train, valid, test = build_gpt_datasets(corpora[0], 16, num_samples=(50, 5, 0))
     assert len(test) == 0 and len(train) >= 50 and len(valid) >= 5
+
+
+@pytest.mark.parametrize("read_mode", ["mmap-random", "pread", "direct"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"add_extra_token_to_sequence": False, "pad_token_id": 3},
+        {"eod_mask_loss": True, "reset_position_ids": True, "pad_token_id": 5},
+    ],
+)
+def test_every_read_path_gives_the_samples_of_the_document_stream(tmp_path, read_mode, options):
+    """get_batch, __getitems__ and a loader with workers (raw text assembled in the main process) read, in each
+    read mode, sample j as tokens [j * S, j * S + S + extra) of the documents in document-index order, the short
+    last sample padded; the fields are make_batch's of that text."""
+    import torch
+
+    from corpusforge.data import make_loader
+    from corpusforge.data.batch import make_batch
+    from corpusforge.storage import open_dataset
+
+    prefix = write_dataset(tmp_path / "h_text_document", 60, seed=8, max_len=50, empty_every=9)
+    indexed = open_dataset(prefix, StorageConfig(read_mode=read_mode))
+    config = GPTDatasetConfig(seq_length=24, eod_token_id=EOD, drop_last_partial_validation_sequence=False, **options)
+    ds = GPTDataset(indexed, "valid", (0, 60), None, config)
+    width, pad = 24 + config.extra, config.pad
+    stream = np.concatenate([IndexedDataset(prefix)[int(d)] for d in ds.document_index]).astype(np.int32)
+    stream = np.r_[stream, np.full(width, pad, np.int32)]  # the short last sample reads pads past the end
+    ids = np.r_[np.arange(len(ds)), [len(ds) - 1, 0]]  # every sample (the last one short), repeats
+    starts = ds.shuffle_index[ids].astype(np.int64) * 24
+    expected = make_batch(np.stack([stream[j : j + width] for j in starts]), config)
+    assert (expected["loss_mask"] == 0).any()
+    loaded = [b for _, b in zip(range(len(ds) // 2), make_loader(ds, 2, num_workers=2))]
+    for batch in (ds.get_batch(ids), ds.__getitems__(list(ids))):
+        assert sorted(batch) == sorted(expected)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(np.asarray(batch[key]), value, err_msg=f"{read_mode} {key}")
+    for key in expected:
+        got = np.concatenate([np.asarray(b[key]) for b in loaded])
+        np.testing.assert_array_equal(got, expected[key][: len(got)], err_msg=f"{read_mode} loader {key}")
+    tensors = ds.__getitems__([2, 0, 1])
+    assert {t.dtype for t in tensors.values()} == {torch.int32, torch.float32}
+    assert len({t.untyped_storage().data_ptr() for t in tensors.values()}) == 1  # one storage per batch

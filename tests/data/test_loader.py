@@ -62,6 +62,17 @@ def test_same_bytes_with_0_1_4_workers(train):
                 assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_pin_memory_with_workers_gives_the_same_batches(train):
+    """Workers send raw text; the main process assembles it straight into page-locked memory where there is an
+    accelerator to pin for (and into ordinary memory where there is none, as torch's DataLoader would)."""
+    plain = take(make_loader(train, 3, 0, 1), 4)
+    pinned = take(make_loader(train, 3, 0, 1, num_workers=2, pin_memory=True), 4)
+    for a, b in zip(plain, pinned, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(t.is_pinned() == torch.cuda.is_available() for t in b.values())
+
+
 @pytest.mark.slow
 def test_spawned_workers_read_the_same_bytes_without_copying_the_data(train):
     """With spawn, the dataset is pickled to the workers: by prefix and index paths, not as copies of the memmaps."""

@@ -196,6 +196,24 @@ def test_sample_index_equals_helpers_cpp(extra, drop_last):
         assert ours.dtype == ref.dtype
 
 
+def test_sample_index_over_many_documents_equals_helpers_cpp():
+    """Enough documents for several of the blocks whose lengths the walk gathers at a time, and documents both
+    shorter and longer than a sample."""
+    from megatron.core.datasets import helpers_cpp
+
+    from corpusforge.data.gpt_dataset import build_document_index, build_sample_index, count_samples
+
+    rng = np.random.default_rng(11)
+    for seq, high in ((16, 10), (64, 300), (7, 2)):
+        lengths = rng.integers(0, high, size=20_000).astype(np.int32)
+        tokens, epochs = int(lengths.sum()), 2
+        doc_index = build_document_index(np.arange(len(lengths)), epochs, np.random.RandomState(seq), True)
+        for extra in (1, 0):
+            ref = helpers_cpp.build_sample_idx_int32(lengths, doc_index, seq, epochs, tokens, True, extra)
+            ours = build_sample_index(lengths, doc_index, seq, count_samples(epochs * tokens, seq, extra, True), extra)
+            np.testing.assert_array_equal(ours, ref, err_msg=f"seq {seq}, extra {extra}")
+
+
 def test_blending_indices_equal_helpers_cpp():
     from megatron.core.datasets import helpers_cpp
 
@@ -227,7 +245,8 @@ def test_blending_indices_equal_helpers_cpp():
 def test_masks_equal_megatron(reset_position_ids, reset_attention_mask):
     import torch
 
-    from corpusforge.data.gpt_dataset import GPTDatasetConfig, make_batch
+    from corpusforge.data.batch import make_batch
+    from corpusforge.data.gpt_dataset import GPTDatasetConfig
 
     rng = np.random.default_rng(1)
     text = rng.integers(0, 6, size=(5, 41)).astype(np.int32)  # many EODs (0), some adjacent
