@@ -5,11 +5,15 @@
 
 On a realistic JSONL corpus (benchmarks/make_corpus.py; reused when already made), rounds of:
 
-  local     `corpusforge preprocess C --output-prefix P --workers W --json`: forked workers (the default)
-  ray       the same with `--executor ray --ray-address auto`, on a Ray cluster of W CPUs that this script
-            started beforehand with `ray start --head --num-cpus W --block`: a cluster's steady state, as under
-            Slurm, where `ray start` runs once per allocation and jobs come and go
-  ray-cold  the same with `--executor ray --workers W` and no cluster: preprocess starts a local Ray itself
+  local        `corpusforge preprocess C --output-prefix P --workers W --json`: forked workers (the default)
+  ray          the same with `--executor ray --ray-address auto`, on a Ray cluster of W CPUs that this script
+               started beforehand with `ray start --head --num-cpus W --block`: a cluster's steady state, as
+               under Slurm, where `ray start` runs once per allocation and jobs come and go. The worker pool
+               (corpusforge._ray_pool) is warm from the job before; the first job on the cluster, which starts
+               it, is reported apart (ray-first-job)
+  ray-per-job  the same with `--ray-keep-workers 0`: every job starts its own worker processes and ends them,
+               as Ray does without the pool (and as the first job on a cluster does)
+  ray-cold     the same with `--executor ray --workers W` and no cluster: preprocess starts a local Ray itself
 
 and the same local/ray rounds on a `--small-mb` corpus: the difference between the two sizes gives the marginal
 cost of a MB under each executor, i.e. the overhead once the fixed start-up is paid (what matters at TB scale).
@@ -154,9 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     w = str(args.workers)
 
     small = ensure_corpus(CorpusSpec(size_mb=args.small_mb))[0] if args.small_mb else None
-    runs: dict[str, list[dict]] = {"local": [], "ray": [], "ray-cold": [], "local-small": [], "ray-small": []}
-    variants = (("local", ["--workers", w]), ("ray", ["--executor", "ray", "--ray-address", "auto"]))
+    runs: dict[str, list[dict]] = {
+        "local": [], "ray": [], "ray-per-job": [], "ray-cold": [], "local-small": [], "ray-small": [],
+    }  # fmt: skip
+    on_cluster = ["--executor", "ray", "--ray-address", "auto"]
+    variants = (("local", ["--workers", w]), ("ray", on_cluster))
     with RayCluster(args.workers):
+        first = run_cli(corpus, work / "ray-first-job", on_cluster)  # starts the worker pool the rounds find warm
+        print(f"first job on the cluster: {first['seconds']:7.2f} s", flush=True)
         for r in range(args.repeats):
             for name, extra in variants if r % 2 == 0 else variants[::-1]:
                 runs[name].append(run_cli(corpus, work / f"{name}-{r}", extra))
@@ -164,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
             for name, extra in (variants if r % 2 == 0 else variants[::-1]) if small else ():
                 runs[f"{name}-small"].append(run_cli(small, work / f"{name}-small-{r}", extra))
                 print(f"round {r + 1}: {name}-small {runs[f'{name}-small'][-1]['seconds']:7.2f} s", flush=True)
+        # after the rounds: each of these ends the pool it started, so the next finds none
+        for r in range(args.repeats):
+            runs["ray-per-job"].append(
+                run_cli(corpus, work / f"ray-per-job-{r}", [*on_cluster, "--ray-keep-workers", "0"])
+            )
+            print(f"round {r + 1}: ray-per-job {runs['ray-per-job'][-1]['seconds']:7.2f} s", flush=True)
     # after the cluster is gone: preprocess must start a Ray of its own
     for r in range(args.repeats):
         runs["ray-cold"].append(run_cli(corpus, work / f"ray-cold-{r}", ["--executor", "ray", "--workers", w]))
@@ -171,11 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     single = run_cli(corpus, work / "local-1", ["--workers", "1"])
     merge = merge_rate(work / "local-0_text_document", work)
 
-    hashes = {json.dumps(x["sha256"]) for name, rs in runs.items() if "small" not in name for x in [*rs, single]}
+    hashes = {json.dumps(x["sha256"]) for name, rs in runs.items() if "small" not in name for x in [*rs, single, first]}
     small_hashes = {json.dumps(x["sha256"]) for name, rs in runs.items() if "small" in name for x in rs}
     identical = len(hashes) == 1 and len(small_hashes) <= 1
     small_bytes = small.stat().st_size if small else 0
     report = summarize(args, corpus, corpus_stats, machine, runs, single, merge, identical, small_bytes)
+    report["ray_first_job"] = {"seconds": first["seconds"], "wall_s": first["wall_s"]}
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(report, indent=1) + "\n")
     print_table(report)
@@ -203,7 +219,7 @@ def summarize(args, corpus, corpus_stats, machine, runs, single, merge, identica
             "workers": rs[0]["summary"]["workers"],
         }
     local = variants["local"]
-    for name in ("ray", "ray-cold"):
+    for name in ("ray", "ray-per-job", "ray-cold"):
         v = variants[name]
         v["overhead"] = round(v["seconds"] / local["seconds"] - 1, 4)
         v["overhead_wall"] = round(v["wall_s"] / local["wall_s"] - 1, 4)
@@ -270,12 +286,15 @@ def summarize(args, corpus, corpus_stats, machine, runs, single, merge, identica
 def print_table(report: dict) -> None:
     v = report["variants"]
     print(f"\n{report['input']['file_bytes'] / MB:,.0f} MB, {report['workers']} workers, median of rounds")
-    print(f"{'variant':10s} {'seconds':>8s} {'wall s':>8s} {'MB/s':>8s} {'vs local':>9s} {'extra s':>8s}")
-    for name in ("local", "ray", "ray-cold"):
+    print(f"{'variant':11s} {'seconds':>8s} {'wall s':>8s} {'MB/s':>8s} {'vs local':>9s} {'extra s':>8s}")
+    for name in ("local", "ray", "ray-per-job", "ray-cold"):
         x = v[name]
         rel = f"{x['overhead']:+.1%}" if "overhead" in x else ""
         extra = f"{x['extra_seconds']:+.2f}" if "extra_seconds" in x else ""
-        print(f"{name:10s} {x['seconds']:8.2f} {x['wall_s']:8.2f} {x['file_mb_s']:8.1f} {rel:>9s} {extra:>8s}")
+        print(f"{name:11s} {x['seconds']:8.2f} {x['wall_s']:8.2f} {x['file_mb_s']:8.1f} {rel:>9s} {extra:>8s}")
+    if "ray_first_job" in report:
+        f = report["ray_first_job"]
+        print(f"{'ray, 1st':11s} {f['seconds']:8.2f} {f['wall_s']:8.2f}   (the cluster's first job: starts the pool)")
     if report["marginal"]:
         m = report["marginal"]
         print(
