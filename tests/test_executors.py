@@ -380,3 +380,47 @@ def test_ray_pool_ends_itself_when_idle_and_replaces_an_actor_that_ended(ray_clu
         assert not names & _pool_names_alive(ray_cluster)
     finally:
         ray.shutdown()
+
+
+def node_of_task(item: int, ctx: TaskContext) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+@pytest.mark.slow
+def test_ray_pool_spreads_over_two_nodes_and_each_node_copies_parts(tmp_path, ray_installed):
+    """Two raylets on this machine (ray.cluster_utils: real node processes, as `ray start` on two hosts): one pool
+    actor per node CPU, tasks on both nodes, and copy steps from both; the bytes equal a local run's."""
+    import logging
+
+    import ray
+    import ray.cloudpickle
+    from ray.cluster_utils import Cluster
+
+    from corpusforge.preprocess import PreprocessConfig, preprocess
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this test module
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(3000, seed=7))
+    run("preprocess", src, "--output-prefix", tmp_path / "local", "--workers", "1")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        with make_executor("ray", keep_workers=0) as ex:
+            assert ex.nodes == 2 and ex.workers == 2
+            assert len({node for _, node in ex._names}) == 2  # one slot on each node
+            ran_on = {node for _, node in ex.run(node_of_task, list(range(8)))}
+            copied_on = {ex.submit(lambda _: ray.get_runtime_context().get_node_id(), i).result(60) for i in range(4)}
+        assert ran_on == copied_on == {name_node[1] for name_node in ex._names}
+        config = PreprocessConfig(
+            inputs=(str(src),), output_prefix=str(tmp_path / "two"), executor="ray", task_bytes=20_000,
+            ray_keep_workers=0,
+        )  # fmt: skip
+        stats = preprocess(config)  # two nodes: the nodes copy the parts into place (merge_on_workers)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert stats.executor == "ray" and stats.workers == 2
+    assert files_of(f"{tmp_path}/two_text_document") == files_of(f"{tmp_path}/local_text_document")
