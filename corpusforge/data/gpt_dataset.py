@@ -619,6 +619,7 @@ class GPTDataset:
         indexed, extra = self.indexed, self.config.extra
         width = self.config.seq_length + extra
         memory = token_memory(indexed)
+        status = 1  # as _gather_text says when a sample is short: the general path below
         if memory is not None:  # one compiled pass from the map into the batch
             text = np.empty((len(ids), width), memory.dtype)
             status = _gather_text(
@@ -633,24 +634,13 @@ class GPTDataset:
                 extra,
                 text,
             )
-            if status < 0:
-                raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
             if status == 0:
                 return RawBatch(text, maybe_padded=False)
-        elif len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+        if status < 0 or len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         # (P,) pieces: where each document piece of each sample starts in the token file, its length, and where
         # it goes in the flat (B * width) text; one compiled pass instead of a dozen (P,)-sized numpy ops.
-        src, length, dest = _sample_pieces(
-            self.shuffle_index[ids].astype(np.int64),
-            self.sample_index,
-            self.document_index,
-            indexed.sequence_lengths,
-            indexed.sequence_pointers,
-            indexed.dtype.itemsize,
-            width,
-            extra,
-        )
+        src, length, dest = self._pieces(ids)
         # One read per piece (pread, O_DIRECT, ranged GETs, or a slice copy from the map): no per-token index
         # arrays, and on a cold file the disk reads about the sample bytes (see corpusforge/storage.py).
         values = read_spans(indexed, src, length)
@@ -662,6 +652,20 @@ class GPTDataset:
         step = np.arange(n, dtype=np.int64) - np.repeat(flat_before, length)
         out.reshape(-1)[np.repeat(dest, length) + step] = values
         return RawBatch(out)
+
+    def _pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces)."""
+        indexed, extra = self.indexed, self.config.extra
+        return _sample_pieces(
+            self.shuffle_index[ids].astype(np.int64),
+            self.sample_index,
+            self.document_index,
+            indexed.sequence_lengths,
+            indexed.sequence_pointers,
+            indexed.dtype.itemsize,
+            self.config.seq_length + extra,
+            extra,
+        )
 
     def get_batch(self, ids) -> dict[str, np.ndarray]:
         """Samples `ids` as numpy arrays: tokens, labels, loss_mask, position_ids[, attention_mask]."""
@@ -679,18 +683,8 @@ class GPTDataset:
             return
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids = ids[(ids >= 0) & (ids < len(self))]
-        indexed = self.indexed
-        src, length, _ = _sample_pieces(
-            self.shuffle_index[ids].astype(np.int64),
-            self.sample_index,
-            self.document_index,
-            indexed.sequence_lengths,
-            indexed.sequence_pointers,
-            indexed.dtype.itemsize,
-            self.config.seq_length + self.config.extra,
-            self.config.extra,
-        )
-        indexed.prefetch_spans(src, length)
+        src, length, _ = self._pieces(ids)
+        self.indexed.prefetch_spans(src, length)
 
     def __getitems__(self, ids: list[int]) -> dict[str, Any]:
         prefetch_upcoming(self, ids)
