@@ -9,7 +9,8 @@ itself after `keep_s` seconds without work.
 
 The actors reserve no Ray CPUs (num_cpus=0): a pool kept warm never blocks another job's tasks. They use the
 CPUs all the same, one task at a time each, one actor per CPU of its node. An actor killed by the OOM killer or a
-SIGKILL is restarted by Ray, on its node or another (soft node affinity), and the task it was running runs again.
+SIGKILL is restarted by Ray on its node, and the task it was running runs again; one whose node is gone is
+replaced by a new one elsewhere.
 
 Example:
     >>> name, node = pool_names(ray, count=4)[0]
@@ -19,11 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -64,9 +66,13 @@ def pool_names(ray, count: int) -> list[tuple[str, str]]:
     return [(f"worker-{fp}-{node[:16]}-{j}", node) for node, j in slots(ray.nodes(), count)]
 
 
-def actor(ray, name: str, node: str, retries: int):
-    """The live actor called `name`, created on `node` (or another, if that one is gone) where none lives."""
+def actor(ray, name: str, node: str | None, retries: int):
+    """The live actor called `name`, created on `node` (None: where Ray likes) where none lives."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # Hard affinity: with soft=True Ray placed both actors of a two-node cluster on one node now and then (seen in
+    # tests). A node that is gone makes the actor fail to schedule; `replacement` then places it anywhere.
+    where = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
 
     return (
         # an "io" group: steps (copying parts into place) run beside the one running task
@@ -79,7 +85,7 @@ def actor(ray, name: str, node: str, retries: int):
             num_cpus=0,
             max_restarts=-1,  # a long-lived actor meets many kills over its life; each task has its own bound
             max_task_retries=retries,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+            scheduling_strategy=where,
         )
         .remote()
     )
@@ -88,8 +94,9 @@ def actor(ray, name: str, node: str, retries: int):
 def replacement(ray, name: str, node: str, retries: int, timeout: float = 60.0):
     """A live actor in the place of one that ended itself (idle too long) just as a job called it."""
     deadline = time.monotonic() + timeout
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     while True:
-        handle = actor(ray, name, node, retries)
+        handle = actor(ray, name, node if node in alive else None, retries)
         try:
             ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
             return handle
@@ -122,21 +129,21 @@ class PoolWorker:
     def run(self, fn: Callable, item: Any) -> Any:
         from corpusforge.executors import _run_on_ray
 
-        with self._lock:
-            self._busy += 1
-        try:
+        with self._working():
             return _run_on_ray(fn, item)
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._last = time.monotonic()
 
     def step(self, fn: Callable, item: Any) -> Any:
         """A short I/O step (Executor.submit), called in the "io" concurrency group beside `run`."""
+        with self._working():
+            return fn(item)
+
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """Busy while inside: the idle clock restarts when the last piece of work ends."""
         with self._lock:
             self._busy += 1
         try:
-            return fn(item)
+            yield
         finally:
             with self._lock:
                 self._busy -= 1
