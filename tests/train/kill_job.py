@@ -1,11 +1,15 @@
 """A training run whose second checkpoint write stops half-way, so that a test can SIGKILL it mid-save.
 
 python kill_job.py OVERRIDES...: trains with checkpoint_interval=10; in the save of step 20 the writer thread
-writes model.pt, prints "SAVING" and waits forever. Only the timing is staged; the kill is real.
+writes model.pt, prints "SAVING" on stdout and waits forever. Only the timing is staged; the kill is real.
+The training log goes to stderr: stdout carries the marker alone, because a print from the writer thread could
+land inside a log line that the training thread is printing (print writes the text and its newline separately),
+and a test waiting for a whole "SAVING" line would then wait for ever.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -18,10 +22,10 @@ real_write = ckpt._write_file
 def write_then_hang(path, obj):
     real_write(path, obj)
     if path.parent.name == ".tmp-step_00000020":
-        print("SAVING", flush=True)
+        os.write(sys.stdout.fileno(), b"SAVING\n")  # one write(2): a whole line
         while True:
             time.sleep(1)
 
 
 ckpt._write_file = write_then_hang
-train(load_config(None, sys.argv[1:]), log=lambda line: print(line, flush=True))
+train(load_config(None, sys.argv[1:]), log=lambda line: print(line, file=sys.stderr, flush=True))

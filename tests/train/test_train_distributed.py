@@ -7,6 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,21 +90,41 @@ def test_fsdp2_on_gloo_matches_ddp_and_resumes(corpus, tmp_path):
     assert [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=2e-3)
 
 
+def printed_line(proc: subprocess.Popen, line: str, timeout: float) -> bool:
+    """Whether `proc` printed `line` (a whole line of its stdout) within `timeout` seconds; False as soon as it
+    ends without printing it. Read on a thread, so that a job that hangs fails the test instead of hanging it."""
+    seen = threading.Event()
+
+    def read() -> None:
+        for got in proc.stdout:
+            if got.strip() == line:
+                seen.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not seen.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return seen.is_set()
+    return True
+
+
 def test_killed_save_leaves_the_last_checkpoint_usable(corpus, tmp_path):
     out = tmp_path / "run"
     overrides = trainkit.tiny_overrides(corpus, out, max_steps=30, checkpoint_interval=10, eval_interval=0)
-    job = subprocess.Popen(
-        [sys.executable, str(HERE / "kill_job.py"), *overrides],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
-    )
+    log = tmp_path / "job.log"
+    with open(log, "w") as stderr:
+        job = subprocess.Popen(
+            [sys.executable, str(HERE / "kill_job.py"), *overrides],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(HERE)},
+        )
     try:
-        for line in job.stdout:
-            if line.strip() == "SAVING":
-                break
-        else:
-            pytest.fail(f"the job ended before saving step 20 (exit {job.wait()})")
+        if not printed_line(job, "SAVING", timeout=300):
+            status = "still running after 300 s" if job.poll() is None else f"exit {job.returncode}"
+            pytest.fail(f"the job never reached the save of step 20 ({status}); log:\n{log.read_text()[-3000:]}")
         job.send_signal(signal.SIGKILL)  # mid-save: model.pt of step 20 written, the rest not
     finally:
         job.kill()
