@@ -71,6 +71,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from corpusforge import _flat_rows
+from corpusforge.jsonl_field import SEPARATOR, JoinedTexts
 
 __all__ = ["DEFAULT_TOKENIZER", "ENGINES", "NAMED_ENCODINGS", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
@@ -444,6 +445,8 @@ class _Base:
     def encode_batch(self, texts) -> tuple[np.ndarray, np.ndarray]:
         """(flat ids, one length per text) for a list of str, or an Arrow string array (UTF-8 buffers, no nulls:
         what corpusforge.sources reads from JSON lines and parquet without making a Python str per document)."""
+        if isinstance(texts, JoinedTexts):
+            return self._encode_joined(texts) if len(texts) else _empty()
         if _is_arrow_strings(texts):
             return self._encode_arrow(texts) if len(texts) else _empty()
         if not isinstance(texts, list):
@@ -463,6 +466,9 @@ class _Base:
 
     def _encode_arrow(self, texts) -> tuple[np.ndarray, np.ndarray]:
         return self.encode_batch(texts.to_pylist())  # the reference libraries take str
+
+    def _encode_joined(self, texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
+        return self.encode_batch(texts.to_pylist())
 
     def decode(self, ids) -> str:
         arr = np.asarray(ids).ravel()
@@ -536,6 +542,28 @@ class _Gigatoken(_Base):
             flat = np.asarray(layout.content.data)[offsets[0] : offsets[-1]]
             return flat, np.diff(offsets).astype(np.int64, copy=False)
         return np.asarray(ak.flatten(array), dtype=np.uint32), np.asarray(ak.num(array), dtype=np.int64)
+
+    def _encode_joined(self, texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
+        # gigatoken splits the buffer at the separator itself, during the encode: no str per document.
+        from gigatoken import BytesSource
+
+        source = BytesSource(texts.data, separator=SEPARATOR)
+        parallel = self._parallel()
+        if not parallel and _flat_rows.usable():
+            rows = _flat_rows.flat_rows(lambda: self._tok.encode_batch(source, parallel=False))
+            if rows is not None:
+                return self._checked_count(rows, texts)
+        import awkward as ak
+
+        array = self._tok.encode_batch(source, parallel=parallel)
+        flat = np.asarray(ak.flatten(array), dtype=np.uint32)
+        return self._checked_count((flat, np.asarray(ak.num(array), dtype=np.int64)), texts)
+
+    @staticmethod
+    def _checked_count(rows: tuple[np.ndarray, np.ndarray], texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
+        if len(rows[1]) != len(texts):  # BytesSource skips empty pieces; the extractor never makes one
+            raise TokenizerError(f"gigatoken returned {len(rows[1])} documents for {len(texts)}")
+        return rows
 
     def _encode_arrow(self, texts) -> tuple[np.ndarray, np.ndarray]:
         # gigatoken reads the Arrow UTF-8 buffers in place, as an awkward array of strings: no str per document
