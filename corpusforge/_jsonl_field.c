@@ -111,33 +111,6 @@ static inline long unicode_escape(const uint8_t *b, idx i, idx n, idx *end) {
     return point;
 }
 
-/* Validate the string whose opening quote is at i; the index after its closing quote, or -1. */
-static idx skip_string(const uint8_t *b, idx i, idx n) {
-    i++;
-    for (;;) {
-        i = plain_run(b, i, n);
-        if (i >= n) return -1;
-        uint8_t c = b[i];
-        if (c == '"') return i + 1;
-        if (c == '\\') {
-            if (i + 1 >= n) return -1;
-            if (b[i + 1] == 'u') {
-                if (unicode_escape(b, i, n, &i) < 0) return -1;
-            } else if (simple_escape(b[i + 1]) >= 0) {
-                i += 2;
-            } else {
-                return -1;
-            }
-        } else if (c < 0x20) {
-            return -1;
-        } else {
-            int length = utf8_length(b, i, n);
-            if (!length) return -1;
-            i += length;
-        }
-    }
-}
-
 static inline idx put_utf8(uint8_t *out, idx o, long p) {
     if (p < 0x80) { out[o] = (uint8_t)p; return o + 1; }
     if (p < 0x800) { out[o] = 0xC0 | (p >> 6); out[o + 1] = 0x80 | (p & 0x3F); return o + 2; }
@@ -150,32 +123,30 @@ static inline idx put_utf8(uint8_t *out, idx o, long p) {
     return o + 4;
 }
 
-/* Validate the string whose opening quote is at i and append its decoded UTF-8 at out + *o; the index after the
- * closing quote, or -1. */
-static idx copy_string(const uint8_t *b, idx i, idx n, uint8_t *out, idx *o) {
+/* Validate the string whose opening quote is at i; the index after its closing quote, or -1. With an `out`, also
+ * append its decoded UTF-8 at out + *o. */
+static idx scan_string(const uint8_t *b, idx i, idx n, uint8_t *out, idx *o) {
     i++;
     idx segment = i; /* bytes from here on are copied as they are */
     for (;;) {
         i = plain_run(b, i, n);
         if (i >= n) return -1;
         uint8_t c = b[i];
-        if (c == '"') {
-            memcpy(out + *o, b + segment, i - segment);
-            *o += i - segment;
-            return i + 1;
-        }
-        if (c == '\\') {
-            memcpy(out + *o, b + segment, i - segment);
-            *o += i - segment;
+        if (c == '"' || c == '\\') {
+            if (out) {
+                memcpy(out + *o, b + segment, i - segment);
+                *o += i - segment;
+            }
+            if (c == '"') return i + 1;
             if (i + 1 >= n) return -1;
             if (b[i + 1] == 'u') {
                 long point = unicode_escape(b, i, n, &i);
                 if (point < 0) return -1;
-                *o = put_utf8(out, *o, point);
+                if (out) *o = put_utf8(out, *o, point);
             } else {
                 int byte = simple_escape(b[i + 1]);
                 if (byte < 0) return -1;
-                out[(*o)++] = (uint8_t)byte;
+                if (out) out[(*o)++] = (uint8_t)byte;
                 i += 2;
             }
             segment = i;
@@ -188,6 +159,8 @@ static idx copy_string(const uint8_t *b, idx i, idx n, uint8_t *out, idx *o) {
         }
     }
 }
+
+static inline idx skip_string(const uint8_t *b, idx i, idx n) { return scan_string(b, i, n, NULL, NULL); }
 
 static inline int unicode_space(long p) {
     return p == 0x85 || p == 0xA0 || p == 0x1680 || (p >= 0x2000 && p <= 0x200A) || p == 0x2028 || p == 0x2029 ||
@@ -336,7 +309,7 @@ static idx scan(const uint8_t *b, idx n, const uint8_t *key, idx key_len, uint8_
             if (key_end - key_start == key_len && !memcmp(b + key_start, key, key_len)) {
                 if (found || b[i] != '"') return DECLINE; /* a second value (orjson keeps the last), or no string */
                 idx start = o;
-                if ((i = copy_string(b, i, n, out, &o)) < 0 || !visible(out, start, o)) return DECLINE;
+                if ((i = scan_string(b, i, n, out, &o)) < 0 || !visible(out, start, o)) return DECLINE;
                 out[o++] = 0xFF;
                 found = 1;
             } else if ((i = skip_value(b, i, n)) < 0) {
