@@ -148,12 +148,10 @@ def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
         m = int(pq_match.group(1))
         d_out = int(re.search(r"OPQ\d+_(\d+)", key).group(1)) if "OPQ" in key else dim
         ram = _ivf_pq_bytes(n, dim, nlist, m, d_out)
-        params = f"nprobe={min(nlist, 256, max(16, nlist // 64))}" + (
-            ",quantizer_efSearch=128" if "_HNSW" in key else ""
-        )
+        params = _ivf_params(key, min(nlist, 256, max(16, nlist // 64)))
         kmeans_dim = d_out  # the coarse k-means runs after the OPQ rotation
     elif nlist:
-        ram, params = _ivf_flat_bytes(n, dim, nlist), f"nprobe={min(nlist, max(8, nlist // 32))}"
+        ram, params = _ivf_flat_bytes(n, dim, nlist), _ivf_params(key, min(nlist, max(8, nlist // 32)))
     else:
         ram, params = n * dim * 4, ""
     train = min(n, train_per_list * nlist) if nlist else 0
@@ -163,6 +161,14 @@ def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
     est_train = (train * max(nlist, 256) * kmeans_dim * 2 * iterations) / RATE_KMEANS_FLOPS if train else 0.0
     est_add = n / (RATE_HNSW_ADD if hnsw_match else RATE_IVF_ADD)
     return IndexPlan(key, n, dim, nlist, train, ram, int(ram * 0.95), params, round(est_train, 1), round(est_add, 1))
+
+
+def _ivf_params(key: str, nprobe: int) -> str:
+    """Search parameters of an IVF index; with an HNSW coarse quantizer its efSearch too, kept at least nprobe
+    (see escalate). Left at faiss's default of 16, the quantizer's list choice limits recall whatever nprobe: at
+    10M chunks, IVF16384_HNSW32,Flat at nprobe 512 gave recall@10 0.873, and 0.963 with quantizer_efSearch 512;
+    the build's tuning, raising nprobe alone, stayed at 0.86 from nprobe 512 to 4096."""
+    return f"nprobe={nprobe}" + (f",quantizer_efSearch={max(128, nprobe)}" if "_HNSW" in key else "")
 
 
 def train_sample_ids(n: int, size: int, seed: int) -> np.ndarray:
