@@ -18,6 +18,12 @@ index for a 16 GiB budget, recall target 0.95, 40 re-ranked candidates, K=2), an
 (fill.py) on 1 vs 2 local workers, on the same trained index and embeddings, repeats alternating (medians),
 the one-worker run being the anchor (what the one-process fill did); checks that every run wrote the same bytes.
 
+--index-keys K1 K2 ...: instead of the whole benchmark, the index stage alone for each key on the chunks and
+embeddings of the database `--reuse` would finish (db<chunks>, built first): each key gets a database of its own
+whose chunks/ and embeddings/ are hard links, and `build_knn --resume --index-key K` trains, fills, merges and
+tunes recall (the same steps as the full run); then the sampled neighbours rate. One key after another, in this
+process (peak RSS is the process's so far).
+
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
 ladder, and how lexically close the nearest neighbours are (token-set Jaccard). --full-neighbours: the whole
@@ -293,6 +299,50 @@ def run_autofaiss(python: str, db: Path, work: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def index_keys(db: Path, keys: list[str], queries: int) -> dict:
+    """The index stage per key on `db`'s chunks and embeddings (hard links), each in its own database."""
+    manifest = json.loads((db / "manifest.json").read_text())
+    if not {"chunks", "embeddings"} <= set(manifest["stages"]):
+        raise SystemExit(f"{db}: chunks and embeddings are not built yet; run without --index-keys first")
+    out = {}
+    for key in keys:
+        target = db.with_name(f"{db.name}-{key.replace(',', '-')}")
+        shutil.rmtree(target, ignore_errors=True)
+        for stage in ("chunks", "embeddings"):
+            shutil.copytree(db / stage, target / stage, copy_function=os.link)
+        m = json.loads(json.dumps(manifest))
+        m["config"]["index_key"] = m["identity"]["index_key"] = key
+        m["config"]["output"] = str(target)
+        m["config"]["neighbours"] = False
+        m["stages"] = {k: v for k, v in m["stages"].items() if k in ("chunks", "embeddings")}
+        for k in ("plan", "search_params"):
+            m.pop(k, None)
+        (target / "manifest.json").write_text(json.dumps(m, indent=1))
+        config = BuildConfig(prefix=m["config"]["prefix"], output=str(target), index_key=key, neighbours=False)
+        t0 = time.perf_counter()
+        result = build_knn(config, resume=True)
+        wall = time.perf_counter() - t0
+        rec = result.recall
+        out[key] = {
+            "plan": result.plan,
+            "index": result.stages["index"],
+            "recall": rec,
+            "wall_s": round(wall, 1),
+            "neighbours_stage": neighbours_rate(target, result, queries),
+            "index_bytes": sum(f.stat().st_size for f in (target / "index").iterdir()),
+            "peak_rss_mb_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        }
+        r = out[key]
+        print(
+            f"{key:<32} train {r['index']['train_s']:8.1f} s  add {r['index']['add_s']:7.1f} s  "
+            f"recall@10 {rec['recall@10']:.3f} at {rec['search_params']}: {rec['qps']:,} QPS; "
+            f"neighbours {r['neighbours_stage']['chunks_per_s']:,} chunks/s",
+            flush=True,
+        )
+        shutil.rmtree(target / "index")  # GBs each; the figures are in the JSON
+    return out
+
+
 def _provenance() -> dict:
     """Machine, versions, commit and date, for the JSON."""
     return {
@@ -323,11 +373,13 @@ def main() -> None:
     ap.add_argument("--full-neighbours", action="store_true", help="run the whole neighbours stage (all chunks)")
     ap.add_argument("--add-workers", default=None, help="e.g. 1,2: only the index add, per worker count")
     ap.add_argument("--add-keys", nargs="+", default=["IVF1024,Flat"], help="index keys for --add-workers")
+    ap.add_argument("--index-keys", nargs="+", default=None, help="only the index stage, per key (see above)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     day = dt.date.today().isoformat()
-    args.out = args.out or str(HERE / "results" / (f"knn-add-{day}.json" if args.add_workers else f"knn-{day}.json"))
+    kind = "knn-add" if args.add_workers else "knn-keys" if args.index_keys else "knn"
+    args.out = args.out or str(HERE / "results" / f"{kind}-{day}.json")
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -366,6 +418,13 @@ def main() -> None:
         print(f"wrote {args.out}")
         return
     db = work / f"db{args.chunks}"
+    if args.index_keys:
+        report = {"chunks": chunks, "keys": index_keys(db, args.index_keys, args.neighbour_queries)}
+        report.update(_provenance())
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     if not args.reuse:
         shutil.rmtree(db, ignore_errors=True)
 
