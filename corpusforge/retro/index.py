@@ -1,9 +1,11 @@
 """The index stage: a planner that picks a Faiss index for N vectors and a memory budget, then train and fill.
 
 The planner follows autofaiss's published rules (criteo/autofaiss, `get_optimal_index_keys_v2` and
-`get_optimal_nb_clusters`): below 1,000 vectors exact search; HNSW when its graph and raw vectors fit the
-budget; IVF-Flat below 1M vectors; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ, with the
-largest PQ code that fits, and the number of lists growing with N (4·sqrt(N) → 2^14..2^16 → 2^17 → 2^18).
+`get_optimal_nb_clusters`), with two changes measured at 10M chunks: below 1,000 vectors exact search; HNSW
+when its graph and raw vectors fit the budget and N is below 3M (beyond, it filled 4x slower than IVF-Flat and
+served neighbours slower); IVF-Flat whenever it fits (autofaiss: below 1M only), 4·sqrt(N) lists, an HNSW32
+coarse quantizer from 8192 lists; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ, with the largest
+PQ code that fits, and the number of lists growing with N (4·sqrt(N) → 2^14..2^16 → 2^17 → 2^18).
 Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
 
 Filling: the driver trains and saves the empty index (`index/trained.faiss`); an IVF index is then filled by
@@ -32,6 +34,11 @@ from corpusforge.retro.embed import EmbeddingStore
 # chunks, 2026-11-21 (benchmarks/results/knn-pca-1m-full-2026-11-21.json, machine nearly idle; under a load of
 # 7-10 from other jobs, knn-pca-1m-2026-11-21.json, they were 2-6x lower). The dry-run's time estimates scale
 # them, so they say "hours, not days", not minutes exactly.
+# HNSW only below this many vectors, even when it fits. At 1M chunks HNSW32 was the best index here (recall 0.954 at
+# 1,849 QPS); at 10M (knn-10m-2026-11-22.json, knn-10m-keys-2026-11-22.json) it took 1,559 s to fill against
+# 391 s to train and fill IVF16384_HNSW32,Flat, planned 8.6 GB against 5.5 GB, and its neighbours stage ran at
+# 151 chunks/s against 196, both at recall@10 0.96. Between the two sizes nothing is measured: the cut is a guess.
+HNSW_MAX_VECTORS = 3_000_000
 RATE_HNSW_ADD = 10_000  # vectors/s, HNSW32 (efConstruction 40), d=128: 1M in 96 s (409 s under load)
 RATE_IVF_ADD = 100_000  # vectors/s, IVF1024,Flat at 1M (train on 65k + add: 13.7 s)
 RATE_KMEANS_FLOPS = 2e10  # effective flop/s of faiss k-means (train_n · nlist · d · 2 · iterations)
@@ -82,6 +89,13 @@ def optimal_nlist(n: int) -> int:
     return 2**18
 
 
+def flat_nlist(n: int) -> int:
+    """Lists of an IVF-Flat index: 4·sqrt(N) as a power of two (autofaiss's formula below 1M), at most 2^16.
+    autofaiss's larger steps (2^17 from 10M) suit PQ codes; lists of full vectors are scanned in full, and
+    2^17 lists at 10M would take ~9 h of k-means on 2 cores against 4.5 min for the 2^14 measured there."""
+    return min(2**16, max(1, 2 ** round(math.log2(4 * math.sqrt(n)))))
+
+
 def _hnsw_bytes(n: int, d: int, m: int) -> int:
     return int(n * (4 * d + 8 * m + 16) * 1.1)  # raw vectors + 2M level-0 links + upper levels and levels array
 
@@ -119,11 +133,13 @@ def plan_index(n: int, dim: int, max_memory: int, train_per_list: int = 64, key:
     if n < 1000 and n * dim * 4 <= max_memory:
         return _plan_for_key("Flat", n, dim, train_per_list)
     for m in (32, 16):
-        if _hnsw_bytes(n, dim, m) <= max_memory:
+        if n < HNSW_MAX_VECTORS and _hnsw_bytes(n, dim, m) <= max_memory:
             return _plan_for_key(f"HNSW{m}", n, dim, train_per_list)
+    flat_lists = flat_nlist(n)
+    if _ivf_flat_bytes(n, dim, flat_lists) <= max_memory:
+        quantizer = "_HNSW32" if flat_lists >= 8192 else ""
+        return _plan_for_key(f"IVF{flat_lists}{quantizer},Flat", n, dim, train_per_list)
     nlist = optimal_nlist(n)
-    if n < 1_000_000 and _ivf_flat_bytes(n, dim, nlist) <= max_memory:
-        return _plan_for_key(f"IVF{nlist},Flat", n, dim, train_per_list)
     for m, d_out in _pq_choices(dim):
         if _ivf_pq_bytes(n, dim, nlist, m, d_out) <= max_memory:
             return _plan_for_key(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}", n, dim, train_per_list)
