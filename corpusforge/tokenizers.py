@@ -443,8 +443,8 @@ class _Base:
         self.fallback_reason: str | None = None  # why engine="auto" did not take gigatoken
 
     def encode_batch(self, texts) -> tuple[np.ndarray, np.ndarray]:
-        """(flat ids, one length per text) for a list of str, or an Arrow string array (UTF-8 buffers, no nulls:
-        what corpusforge.sources reads from JSON lines and parquet without making a Python str per document)."""
+        """(flat ids, one length per text) for a list of str, an Arrow string array (UTF-8 buffers, no nulls), or
+        JoinedTexts: what corpusforge.sources reads from parquet and JSON lines without a Python str per document."""
         if isinstance(texts, JoinedTexts):
             return self._encode_joined(texts) if len(texts) else _empty()
         if _is_arrow_strings(texts):
@@ -519,6 +519,7 @@ class _Gigatoken(_Base):
         self._decoder: _Base | None = None
         self._override_ids = np.array(sorted(decode_overrides), dtype=np.int64)
         self.probe_texts: list[str] = []  # extra texts for the load-time check (a model's own added pieces)
+        self._joined_ok = True  # whether gigatoken takes JoinedTexts' 0xFF separator (not for SentencePiece)
 
     def _parallel(self) -> bool:
         # A rayon pool built before os.fork has no threads in the child: using it there hangs forever.
@@ -544,10 +545,22 @@ class _Gigatoken(_Base):
         return np.asarray(ak.flatten(array), dtype=np.uint32), np.asarray(ak.num(array), dtype=np.int64)
 
     def _encode_joined(self, texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
-        # gigatoken splits the buffer at the separator itself, during the encode: no str per document.
+        # gigatoken splits the buffer at the separator itself, during the encode: no str per document. Its
+        # SentencePiece backend refuses a separator that is not UTF-8 (0xFF never is): that one takes str.
         from gigatoken import BytesSource
 
+        if not self._joined_ok:
+            return self._encode(texts.to_pylist())
         source = BytesSource(texts.data, separator=SEPARATOR)
+        try:
+            return self._encode_source(source, texts)
+        except ValueError as e:
+            if "separator" not in str(e):
+                raise
+            self._joined_ok = False
+            return self._encode(texts.to_pylist())
+
+    def _encode_source(self, source, texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
         parallel = self._parallel()
         if not parallel and _flat_rows.usable():
             rows = _flat_rows.flat_rows(lambda: self._tok.encode_batch(source, parallel=False))

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import orjson
 import pytest
 
 from corpusforge import jsonl_field, sources
 from corpusforge.jsonl_field import JoinedTexts, extract_field
 from corpusforge.sources import Task, _split_lines, read_task, text_list
-from corpusforge.tokenizers import load_tokenizer
 
 GOOD = [
     '{"text": "plain ascii"}',
@@ -183,14 +181,3 @@ def test_read_task_gives_the_same_texts_with_and_without_the_extractor(tmp_path,
     monkeypatch.setattr(sources, "extract_field", lambda block, key: None)
     exact = [(text_list(b.texts[0]), b.records) for b in read_task(task, ("text",))]
     assert fast == exact
-
-
-@pytest.mark.parametrize("engine", ["gigatoken", "reference"])
-def test_tokenizers_encode_joined_texts_as_the_list(engine):
-    tok = load_tokenizer("cl100k_base", engine=engine)
-    texts = [orjson.loads(ln)["text"] for ln in GOOD]
-    joined = extract_field(block(GOOD), "text")[2]
-    flat, lengths = tok.encode_batch(joined)
-    ref_flat, ref_lengths = tok.encode_batch(texts)
-    np.testing.assert_array_equal(flat, ref_flat)
-    np.testing.assert_array_equal(lengths, ref_lengths)

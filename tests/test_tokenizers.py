@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from corpusforge import tokenizers as tk
+from corpusforge.jsonl_field import SEPARATOR, JoinedTexts
 from corpusforge.tokenizer_training import train_tokenizer
 from corpusforge.tokenizers import TokenizerError, load_tokenizer
 
@@ -110,6 +111,15 @@ def _split(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # gigatoken and the reference agree
+
+
+@pytest.mark.parametrize("engine", ["gigatoken", "reference"])
+def test_joined_texts_encode_as_the_list(spec, corpus, engine):
+    """The JSON-lines extractor's one-buffer column (corpusforge/jsonl_field.py) gives the list's tokens."""
+    texts = [t for t in VARIED + _random_texts(100) + corpus[:20] if t.strip() and "\ud800" not in t]
+    joined = JoinedTexts(b"".join(t.encode() + SEPARATOR for t in texts), len(texts))
+    tok = load_tokenizer(spec, engine=engine)
+    assert _split(*tok.encode_batch(joined)) == _split(*tok.encode_batch(texts))
 
 
 @pytest.mark.parametrize("threads", [False, True])
