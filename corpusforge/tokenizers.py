@@ -527,9 +527,10 @@ class _Gigatoken(_Base):
 
         return self.threads and not getattr(_parallel, "_forked_child", False)
 
-    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _encode(self, texts) -> tuple[np.ndarray, np.ndarray]:
+        """A list of str, a gigatoken BytesSource, or an awkward array of strings (the Arrow path)."""
         parallel = self._parallel()
-        if not parallel and isinstance(texts, list) and _flat_rows.usable():
+        if not parallel and type(texts).__module__.partition(".")[0] != "awkward" and _flat_rows.usable():
             # Single-threaded (a worker process): skip awkward's import, 0.2 s a run (see corpusforge/_flat_rows.py).
             rows = _flat_rows.flat_rows(lambda: self._tok.encode_batch(texts, parallel=False))
             if rows is not None:
@@ -549,34 +550,18 @@ class _Gigatoken(_Base):
         # SentencePiece backend refuses a separator that is not UTF-8 (0xFF never is): that one takes str.
         from gigatoken import BytesSource
 
-        if not self._joined_ok:
-            return self._encode(texts.to_pylist())
-        source = BytesSource(texts.data, separator=SEPARATOR)
-        try:
-            return self._encode_source(source, texts)
-        except ValueError as e:
-            if "separator" not in str(e):
-                raise
-            self._joined_ok = False
-            return self._encode(texts.to_pylist())
-
-    def _encode_source(self, source, texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
-        parallel = self._parallel()
-        if not parallel and _flat_rows.usable():
-            rows = _flat_rows.flat_rows(lambda: self._tok.encode_batch(source, parallel=False))
-            if rows is not None:
-                return self._checked_count(rows, texts)
-        import awkward as ak
-
-        array = self._tok.encode_batch(source, parallel=parallel)
-        flat = np.asarray(ak.flatten(array), dtype=np.uint32)
-        return self._checked_count((flat, np.asarray(ak.num(array), dtype=np.int64)), texts)
-
-    @staticmethod
-    def _checked_count(rows: tuple[np.ndarray, np.ndarray], texts: JoinedTexts) -> tuple[np.ndarray, np.ndarray]:
-        if len(rows[1]) != len(texts):  # BytesSource skips empty pieces; the extractor never makes one
-            raise TokenizerError(f"gigatoken returned {len(rows[1])} documents for {len(texts)}")
-        return rows
+        if self._joined_ok:
+            try:
+                flat, lengths = self._encode(BytesSource(texts.data, separator=SEPARATOR))
+            except ValueError as e:
+                if "separator" not in str(e):
+                    raise
+                self._joined_ok = False
+            else:
+                if len(lengths) != len(texts):  # BytesSource skips empty pieces; the extractor never makes one
+                    raise TokenizerError(f"gigatoken returned {len(lengths)} documents for {len(texts)}")
+                return flat, lengths
+        return self._encode(texts.to_pylist())
 
     def _encode_arrow(self, texts) -> tuple[np.ndarray, np.ndarray]:
         # gigatoken reads the Arrow UTF-8 buffers in place, as an awkward array of strings: no str per document
