@@ -225,11 +225,13 @@ static idx skip_scalar(const uint8_t *b, idx i, idx n) {
     return -1;
 }
 
-/* Validate `"key" :` at i; the index of the member's value, or -1. */
-static idx member_key(const uint8_t *b, idx i, idx n) {
-    if (b[i] != '"') return -1;
+/* Validate `"key" :` at i; the index of the member's value, or -1. *key_end (when given) is set to the index of
+ * the key's closing quote: the key's raw bytes are b[i + 1 .. *key_end). */
+static idx member_key(const uint8_t *b, idx i, idx n, idx *key_end) {
+    if (i >= n || b[i] != '"') return -1;
     i = skip_string(b, i, n);
     if (i < 0) return -1;
+    if (key_end) *key_end = i - 1;
     i = skip_ws(b, i, n);
     if (i >= n || b[i] != ':') return -1;
     i = skip_ws(b, i + 1, n);
@@ -251,7 +253,7 @@ static idx skip_value(const uint8_t *b, idx i, idx n) {
                 i++;
                 depth--;
             } else if (c == '{') {
-                if ((i = member_key(b, i, n)) < 0) return -1;
+                if ((i = member_key(b, i, n, NULL)) < 0) return -1;
                 continue;
             } else {
                 continue;
@@ -268,7 +270,7 @@ static idx skip_value(const uint8_t *b, idx i, idx n) {
             if (c == ',') {
                 i = skip_ws(b, i + 1, n);
                 if (i >= n) return -1;
-                if (top == '{' && (i = member_key(b, i, n)) < 0) return -1;
+                if (top == '{' && (i = member_key(b, i, n, NULL)) < 0) return -1;
                 break;
             }
             if ((top == '{' && c == '}') || (top == '[' && c == ']')) {
@@ -297,15 +299,9 @@ static idx scan(const uint8_t *b, idx n, const uint8_t *key, idx key_len, uint8_
         if (i >= n || b[i] != '"') return DECLINE; /* also "{}": no field */
         int found = 0;
         for (;;) {
-            if (i >= n || b[i] != '"') return DECLINE;
-            idx key_start = i + 1;
-            if ((i = skip_string(b, i, n)) < 0) return DECLINE;
-            idx key_end = i - 1;
+            idx key_start = i + 1, key_end;
+            if ((i = member_key(b, i, n, &key_end)) < 0) return DECLINE;
             if (memchr(b + key_start, '\\', key_end - key_start)) return DECLINE; /* may decode to the field's name */
-            i = skip_ws(b, i, n);
-            if (i >= n || b[i] != ':') return DECLINE;
-            i = skip_ws(b, i + 1, n);
-            if (i >= n) return DECLINE;
             if (key_end - key_start == key_len && !memcmp(b + key_start, key, key_len)) {
                 if (found || b[i] != '"') return DECLINE; /* a second value (orjson keeps the last), or no string */
                 idx start = o;
