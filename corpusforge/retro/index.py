@@ -286,6 +286,10 @@ def load_index(path: Path, search_params: str, mmap: bool = False):
     if path.with_suffix(".ivfdata").exists():
         with c_stdout_to_stderr():  # faiss says where it found the lists, on stdout
             index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
+        # No prefetch threads: a search leaves them to be joined by the next one, and in a worker forked after the
+        # driver's recall search those threads do not exist: joining them killed the worker. The lists are mapped,
+        # so a search still reads them; the kernel's readahead replaces faiss's.
+        faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists).prefetch_nthread = 0
     else:
         index = faiss.read_index(str(path), flags)
     set_search_params(index, search_params)
