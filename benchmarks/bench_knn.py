@@ -106,9 +106,11 @@ def neighbours_rate(db: Path, result, queries: int = 2000) -> dict:
     index = load_index(db / "index" / "index.faiss", params)
     ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
     t0 = time.perf_counter()
-    search(index, store, table.doc, store.get(ids), np.asarray(table.doc[ids]), 2, 40, params)
+    width = result.recall["candidates"]
+    search(index, store, table.doc, store.get(ids), np.asarray(table.doc[ids]), 2, width, params)
     s = time.perf_counter() - t0
-    return {"queries": queries, "k": 2, "search_params": params, "chunks_per_s": round(queries / s, 1)}
+    rate = round(queries / s, 1)
+    return {"queries": queries, "k": 2, "search_params": params, "candidates": width, "chunks_per_s": rate}
 
 
 def anchor_comparison(db: Path, prefix: str, queries: int = 1000, repeats: int = 3) -> dict:
@@ -315,7 +317,7 @@ def index_keys(db: Path, keys: list[str], queries: int) -> dict:
         m["config"]["output"] = str(target)
         m["config"]["neighbours"] = False
         m["stages"] = {k: v for k, v in m["stages"].items() if k in ("chunks", "embeddings")}
-        for k in ("plan", "search_params"):
+        for k in ("plan", "search_params", "candidates"):
             m.pop(k, None)
         (target / "manifest.json").write_text(json.dumps(m, indent=1))
         config = BuildConfig(prefix=m["config"]["prefix"], output=str(target), index_key=key, neighbours=False)
@@ -335,7 +337,8 @@ def index_keys(db: Path, keys: list[str], queries: int) -> dict:
         r = out[key]
         print(
             f"{key:<32} train {r['index']['train_s']:8.1f} s  add {r['index']['add_s']:7.1f} s  "
-            f"recall@10 {rec['recall@10']:.3f} at {rec['search_params']}: {rec['qps']:,} QPS; "
+            f"recall@10 {rec['recall@10']:.3f} at {rec['search_params']}, {rec['candidates']} candidates: "
+            f"{rec['qps']:,} QPS; "
             f"neighbours {r['neighbours_stage']['chunks_per_s']:,} chunks/s",
             flush=True,
         )

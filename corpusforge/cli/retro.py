@@ -51,7 +51,7 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     default=40,
     show_default=True,
     type=click.IntRange(1),
-    help="Approximate hits re-ranked exactly per query.",
+    help="Approximate hits re-ranked exactly per query; the recall tuning raises it for PQ indexes.",
 )
 @click.option("--query-prefix", default=None, help="Training dataset to fetch neighbours for [default: PREFIX itself].")
 @click.option(

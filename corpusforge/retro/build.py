@@ -55,7 +55,8 @@ class BuildConfig:
     k: int = 2
     """Neighbours stored per query chunk (RETRO: 2)."""
     candidates: int = 40
-    """Approximate hits fetched per query and re-ranked exactly from the stored embeddings."""
+    """Approximate hits fetched per query and re-ranked exactly from the stored embeddings; for an index of
+    compressed codes (PQ) the recall tuning raises it (up to 1024) where that reaches the target sooner."""
     query_prefix: str | None = None
     """Training dataset whose chunks get neighbours; default the database's own (with same-document exclusion)."""
     recall_queries: int = 1000
@@ -191,7 +192,7 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
     index_mod.set_search_params(index, plan.search_params)
     if "recall" not in manifest["stages"]:
         recall = _tune_recall(config, plan, index, store, table, progress and progress("recall", None))
-        manifest["search_params"] = recall["search_params"]
+        manifest["search_params"], manifest["candidates"] = recall["search_params"], recall["candidates"]
         finish("recall", recall)
     if config.neighbours and "neighbours" not in manifest["stages"]:
         finish("neighbours", _neighbours_stage(config, manifest, store, table, query_ds, embedder, executor, progress))
@@ -244,17 +245,21 @@ def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, to
     return manifest
 
 
-def _eval_ids(n: int, plan: index_mod.IndexPlan, config: BuildConfig) -> np.ndarray:
-    """Held-out query chunks: a seeded sample of chunks outside the index's training sample."""
+def _eval_ids(n: int, plan: index_mod.IndexPlan, config: BuildConfig) -> tuple[np.ndarray, int]:
+    """Query chunks for recall: a seeded sample of chunks outside the index's training sample, topped up from the
+    training sample where too few are left out (a small database that trained on all of it). Returns (ids, how
+    many of them are held out)."""
+    rng = np.random.default_rng(config.seed + 1)
     train = index_mod.train_sample_ids(n, plan.train_size, config.seed)
     pool = np.setdiff1d(np.arange(n), train, assume_unique=True)
-    size = min(config.recall_queries, len(pool))
-    return np.sort(np.random.default_rng(config.seed + 1).choice(pool, size=size, replace=False))
+    held_out = rng.choice(pool, size=min(config.recall_queries, len(pool)), replace=False)
+    top_up = min(config.recall_queries, n) - len(held_out)
+    return np.sort(np.concatenate([held_out, rng.choice(train, size=top_up, replace=False)])), len(held_out)
 
 
 def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
     t0 = time.perf_counter()
-    ids = _eval_ids(store.n, plan, config)
+    ids, held_out = _eval_ids(store.n, plan, config)
     queries, qdoc = store.get(ids), np.asarray(table.doc[ids])
     k = min(RECALL_K, max(1, store.n - 1))
     exact = nb_mod.exact_search(store, table.doc, queries, qdoc, k)
@@ -262,13 +267,19 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
     def scores(ids: np.ndarray) -> np.ndarray:  # exact similarities of (Q, k) chunk ids to their queries
         return np.einsum("qkd,qd->qk", store.get(ids), queries)
 
+    widths = index_mod.candidate_steps(config.candidates) if index_mod.tunes_candidates(plan.key) else None
     params, tried = plan.search_params, []
     while True:
+        width = config.candidates
+        if widths:  # the fewest candidates that reach the target at these params, else the most
+            found = nb_mod.search_prefixes(index, store, table.doc, queries, qdoc, k, params, widths)
+            reach = [w for w in widths if nb_mod.recall_at(found[w], exact, scores) >= config.recall_target]
+            width = reach[0] if reach else widths[-1]
         t1 = time.perf_counter()
-        approx, _ = nb_mod.search(index, store, table.doc, queries, qdoc, k, config.candidates, params)
+        approx, _ = nb_mod.search(index, store, table.doc, queries, qdoc, k, width, params)
         qps = len(ids) / (time.perf_counter() - t1)
         r = nb_mod.recall_at(approx, exact, scores)
-        tried.append({"search_params": params, "recall": round(r, 4), "qps": round(qps)})
+        tried.append({"search_params": params, "candidates": width, "recall": round(r, 4), "qps": round(qps)})
         if progress:
             progress(1)
         nxt = index_mod.escalate(params)
@@ -280,8 +291,9 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
         f"recall@{k}": round(r, 4),
         "recall_without_rerank": round(raw, 4),
         "queries": len(ids),
+        "held_out": held_out,
         "search_params": params,
-        "candidates": config.candidates,
+        "candidates": width,
         "qps": tried[-1]["qps"],
         "tried": tried,
         "target": config.recall_target,
@@ -320,7 +332,7 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
         shard_size=config.shard_size,
         parts=str(out / "neighbours.bin.parts"),
         k=config.k,
-        candidates=config.candidates,
+        candidates=manifest.get("candidates", config.candidates),  # tuned (older databases: as configured)
         queries=queries,
     )
     block = min(config.shard_size, 65536)
@@ -392,7 +404,14 @@ def query_knn(db: str | os.PathLike, text: str, k: int = 5, max_chunks: int = 4)
     for i, p in enumerate(pieces):
         qtok[i, : len(p)] = p
     found, scores = nb_mod.search(
-        index, store, table.doc, embedder.embed(qtok), None, k, max(cfg.candidates, k), manifest["search_params"]
+        index,
+        store,
+        table.doc,
+        embedder.embed(qtok),
+        None,
+        k,
+        max(manifest.get("candidates", cfg.candidates), k),
+        manifest["search_params"],
     )
     results = []
     for qi, piece in enumerate(pieces):

@@ -90,13 +90,51 @@ def _set_width(index, params: str, width: int) -> None:
     set_search_params(index, params)
 
 
+def search_prefixes(
+    index,
+    store: EmbeddingStore,
+    db_doc: np.ndarray,
+    queries: np.ndarray,
+    query_doc: np.ndarray | None,
+    k: int,
+    params: str,
+    widths: list[int],
+) -> dict[int, np.ndarray]:
+    """For each width w in `widths`, the K ids that re-ranking the first w candidates gives, from one search at the
+    widest: an IVF search's first w hits at width W are its hits at width w (the recall tuning's shortcut; no
+    widening for same-document hits, which `search` adds).
+
+    Example: search_prefixes(index, store, doc, q, qdoc, 10, "nprobe=64", [40, 60])[60].shape -> (len(q), 10)"""
+    set_search_params(index, params)
+    _, cand = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(widths))
+    out = {w: np.empty((len(queries), k), dtype=np.int64) for w in widths}
+    for lo in range(0, len(queries), 128):  # (128, W, d) float32 gathered at a time: 64 MB at W=1024, d=128
+        c = cand[lo : lo + 128]
+        qd = None if query_doc is None else query_doc[lo : lo + 128]
+        exact, _ = _exact_scores(store, db_doc, queries[lo : lo + 128], c, qd)
+        for w in widths:
+            out[w][lo : lo + 128] = _top_k(c[:, :w], exact[:, :w], k)[0]
+    return out
+
+
 def _rerank(store, db_doc, queries, cand, query_doc, k):
+    exact, bad = _exact_scores(store, db_doc, queries, cand, query_doc)
+    top_ids, top_scores = _top_k(cand, exact, k)
+    return top_ids, top_scores, (~bad).sum(1)
+
+
+def _exact_scores(store, db_doc, queries, cand, query_doc) -> tuple[np.ndarray, np.ndarray]:
+    """Exact similarities of the (q, c) candidates to their queries, -inf where excluded; and the excluded mask."""
     vectors = store.get(cand)  # (q, c, d) float32
     exact = np.einsum("qcd,qd->qc", vectors, np.asarray(queries, dtype=np.float32))
     bad = cand < 0
     if query_doc is not None:
         bad |= db_doc[np.maximum(cand, 0)] == query_doc[:, None]
     exact[bad] = -np.inf
+    return exact, bad
+
+
+def _top_k(cand, exact, k):
     # stable sort on (-score, id): ties broken by chunk id, so results never depend on the index's order
     order = np.lexsort((cand, -exact), axis=1)[:, :k]
     top_ids = np.take_along_axis(cand, order, 1)
@@ -106,7 +144,7 @@ def _rerank(store, db_doc, queries, cand, query_doc, k):
         pad = k - top_ids.shape[1]
         top_ids = np.pad(top_ids, ((0, 0), (0, pad)), constant_values=-1)
         top_scores = np.pad(top_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    return top_ids, top_scores.astype(np.float32), (~bad).sum(1)
+    return top_ids, top_scores.astype(np.float32)
 
 
 def exact_search(store: EmbeddingStore, db_doc, queries, query_doc, k: int) -> np.ndarray:

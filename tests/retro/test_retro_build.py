@@ -71,6 +71,31 @@ def test_near_duplicate_chunks_never_neighbour_their_own_document(dataset, tmp_p
         assert table.doc[nb[q]].tolist() == [doc_a, doc_a]
 
 
+def test_pq_recall_tuning_raises_the_candidates_and_the_stage_uses_them(dataset, tmp_path):
+    """PQ codes order hits approximately: 40 re-ranked candidates miss the target even over every list, so the
+    tuning takes more, records them, and the neighbours stage searches with them."""
+    from corpusforge.retro.index import load_index
+    from corpusforge.retro.neighbours import recall_at, search
+
+    db = tmp_path / "db"
+    result = build_knn(_config(dataset, db, index_key="IVF8,PQ4x4", k=2))
+    rec = result.recall
+    assert rec["recall@10"] >= 0.95 and rec["candidates"] > 40 and rec["queries"] == 200
+    manifest = json.loads((db / "manifest.json").read_text())
+    assert manifest["candidates"] == rec["candidates"]
+    table = ChunkTable.load(db / "chunks")
+    store = EmbeddingStore(db / "embeddings", len(table), 128, 256)
+    index = load_index(db / "index" / "index.faiss", rec["search_params"])
+    every = np.arange(len(table))
+    queries, qdoc = store.get(every), np.asarray(table.doc)
+    tuned, _ = search(index, store, table.doc, queries, qdoc, 2, rec["candidates"], rec["search_params"])
+    assert np.array_equal(read_neighbours(db / "neighbours.bin"), tuned)
+    exact = exact_search(store, table.doc, queries, qdoc, 10)
+    score = lambda ids: np.einsum("qkd,qd->qk", store.get(ids), queries)  # noqa: E731
+    few, _ = search(index, store, table.doc, queries, qdoc, 10, 40, rec["search_params"])
+    assert recall_at(few, exact, score) < 0.95  # nprobe is already every list: only the candidates could help
+
+
 def test_missing_neighbours_are_minus_one(tmp_path):
     prefix = write_dataset(tmp_path / "two", [np.arange(200), np.arange(1000, 1100)])
     build_knn(BuildConfig(prefix=prefix, output=str(tmp_path / "db"), k=3, recall_queries=5))

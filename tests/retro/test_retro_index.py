@@ -138,3 +138,15 @@ def test_search_parameters_escalate_in_steps_of_one_and_a_half_to_4096():
     assert all(b > a for a, b in zip(nprobe, nprobe[1:]))
     assert all(int(x.split("quantizer_efSearch=")[1]) >= n for x, n in zip(ladder, nprobe))
     assert escalate("efSearch=64") == "efSearch=96" and escalate("") is None
+
+
+def test_candidates_are_tuned_only_for_compressed_ivf_codes():
+    from corpusforge.retro.index import candidate_steps, tunes_candidates
+
+    assert [tunes_candidates(k) for k in ("OPQ32_128,IVF16384_HNSW32,PQ32", "IVF8,SQ8", "IVF4096,Flat", "HNSW32")] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert candidate_steps(40) == [40, 64, 96, 144, 216, 320, 480, 720, 1024] and candidate_steps(2000) == [2000]
