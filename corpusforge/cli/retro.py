@@ -89,7 +89,7 @@ def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options)
         est = result.estimates
         rows = [("chunks", est["chunks"]), *_plan_rows(result.plan)]
         rows += [(f"disk: {k}", human_bytes(v)) for k, v in est["disk_bytes"].items()]
-        rows += [(f"hours: {k}", v) for k, v in est["hours_2_cores"].items()]
+        rows += [(f"hours on 2 cores: {k}", _hours(v)) for k, v in est["hours_2_cores"].items()]
         _report.print_summary(f"corpusforge build-knn --dry-run {prefix}", rows, data if as_json else None)
         return
     st, rec = result.stages, result.recall
@@ -102,7 +102,7 @@ def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options)
         (
             "recall@10",
             f"{rec['recall@10']:.4f} (without re-ranking {rec['recall_without_rerank']:.4f}), "
-            f"{rec['queries']} held-out chunks",
+            f"{rec['queries']} chunks, {rec.get('held_out', rec['queries'])} of them held out from training",
         ),
         ("search", f"{rec['search_params']}, {rec['candidates']} candidates, {rec['qps']:,} queries/s"),
         (
@@ -184,6 +184,13 @@ def _tasks(stats: dict) -> str:
         return " (one task, in this process)"
     tasks = stats.get("add_tasks", stats.get("tasks"))
     return f" ({tasks} task(s) on {stats['workers']} {stats['executor']} worker(s))"
+
+
+def _hours(value) -> str:
+    """A figure, or a [low, high] range (the neighbours stage: see retro.index.neighbour_seconds)."""
+    low, high = value if isinstance(value, list) else (value, value)
+    figure = lambda h: f"{h:,.0f}" if h >= 100 else f"{h:.3g}"  # noqa: E731
+    return figure(low) if figure(low) == figure(high) else f"{figure(low)} to {figure(high)}"
 
 
 def _plan_rows(plan: dict) -> list[tuple[str, object]]:

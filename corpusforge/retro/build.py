@@ -356,17 +356,18 @@ def estimates(n: int, dim: int, plan: index_mod.IndexPlan, k: int) -> dict:
         "index": plan.disk_bytes,
         "neighbours": n * k * 8,
     }
+    low, high = index_mod.neighbour_seconds(plan)
     hours = {
-        "embeddings": n / index_mod.RATE_EMBED_HASHED / 3600,
-        "index": (plan.est_train_s + plan.est_add_s) / 3600,
-        "neighbours": n / index_mod.RATE_NEIGHBOURS / 3600,
+        "embeddings": round(n / index_mod.RATE_EMBED_HASHED / 3600, 3),
+        "index": round((plan.est_train_s + plan.est_add_s) / 3600, 3),
+        "neighbours": [round(n * low / 3600, 3), round(n * high / 3600, 3)],  # a range: see neighbour_seconds
     }
     return {
         "chunks": n,
         "disk_bytes": disk,
         "disk_total": sum(disk.values()),
         "ram_bytes": plan.ram_bytes,
-        "hours_2_cores": {k2: round(v, 3) for k2, v in hours.items()},
+        "hours_2_cores": hours,
     }
 
 

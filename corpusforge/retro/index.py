@@ -43,7 +43,16 @@ RATE_HNSW_ADD = 10_000  # vectors/s, HNSW32 (efConstruction 40), d=128: 1M in 96
 RATE_IVF_ADD = 100_000  # vectors/s, IVF1024,Flat at 1M (train on 65k + add: 13.7 s)
 RATE_KMEANS_FLOPS = 2e10  # effective flop/s of faiss k-means (train_n · nlist · d · 2 · iterations)
 RATE_EMBED_HASHED = 75_000  # chunks/s, hashed embedder (1024-d sketch + PCA to 128), gather from the .bin included
-RATE_NEIGHBOURS = 1_570  # query chunks/s, the whole stage at 1M: search, exclusion, exact re-rank (HNSW32 ef 320)
+# The neighbours stage (search, exclusion, exact re-rank), measured on 2 cores. HNSW32: 1,570 query chunks/s at
+# 1M (the whole stage, efSearch 320), 151/s at 10M (efSearch 1616): the cost per query grew as N^1.02.
+RATE_NEIGHBOURS_HNSW_1M = 1_570
+HNSW_NEIGHBOURS_EXPONENT = 1.02
+# IVF at 10M chunks, 16384 lists of ~610 (knn-10m-keys-2026-11-22.json, knn-10m-pq-2026-11-22.json): time is the
+# list entries a query scans. Flat (128-d): 196 chunks/s at nprobe 512, 61M entries/s. OPQ32 + PQ32: 265 chunks/s
+# at nprobe 384 with 320 re-ranked candidates, 62M entries/s. Those nprobe reached recall@10 0.95 at 10M.
+SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6}  # entries/s at d=128 (Flat) or 32 bytes a code (PQ), re-rank included
+NPROBE_AT_10M = {"flat": 512, "pq": 384}
+NLIST_AT_10M = 16384
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,29 @@ def _ivf_params(key: str, nprobe: int) -> str:
     10M chunks, IVF16384_HNSW32,Flat at nprobe 512 gave recall@10 0.873, and 0.963 with quantizer_efSearch 512;
     the build's tuning, raising nprobe alone, stayed at 0.86 from nprobe 512 to 4096."""
     return f"nprobe={nprobe}" + (f",quantizer_efSearch={max(128, nprobe)}" if "_HNSW" in key else "")
+
+
+def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
+    """Seconds per query chunk of the neighbours stage on 2 cores, (low, high), extrapolated from the measurements
+    above. HNSW: the N^1.02 fit of 1M and 10M. IVF: the list entries scanned at the measured rate, scaled by
+    dimension (Flat) or code bytes (PQ). How many lists a query must probe for recall 0.95 was measured at 10M only
+    (16384 lists): `low` assumes the same nprobe at any number of lists, `high` the same share of the lists; at
+    1M-10M the truth lay between (nprobe 192 of 4096 lists, 512 of 16384).
+
+    Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.024, 0.38)"""
+    if not plan.nlist:
+        per = (max(plan.n, 1) / 1e6) ** HNSW_NEIGHBOURS_EXPONENT / RATE_NEIGHBOURS_HNSW_1M
+        return per, per
+    import re
+
+    pq = re.search(r"PQ(\d+)", plan.key.split(",")[-1])
+    kind = "pq" if pq else "flat"
+    rate = SCAN_RATE_IVF[kind] * (32 / int(pq.group(1)) if pq else 128 / plan.dim)
+    per_list = plan.n / plan.nlist
+    same_nprobe = min(plan.nlist, NPROBE_AT_10M[kind])
+    same_share = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] / NLIST_AT_10M * plan.nlist))
+    low, high = sorted((same_nprobe * per_list / rate, same_share * per_list / rate))
+    return low, high
 
 
 def train_sample_ids(n: int, size: int, seed: int) -> np.ndarray:

@@ -150,3 +150,16 @@ def test_candidates_are_tuned_only_for_compressed_ivf_codes():
         False,
     ]
     assert candidate_steps(40) == [40, 64, 96, 144, 216, 320, 480, 720, 1024] and candidate_steps(2000) == [2000]
+
+
+def test_neighbour_time_model_reproduces_its_measurements_and_brackets_the_rest():
+    from corpusforge.retro.index import neighbour_seconds
+
+    hnsw_1m = plan_index(1_000_000, 128, 16 * G)
+    assert hnsw_1m.key == "HNSW32" and neighbour_seconds(hnsw_1m) == (1 / 1570, 1 / 1570)
+    # at 10M chunks and 16384 lists, both assumptions are the measured nprobe: 196 and 265 chunks/s
+    flat = neighbour_seconds(plan_index(10**7, 128, 16 * G))
+    pq = neighbour_seconds(plan_index(10**7, 128, G, key="OPQ32_128,IVF16384_HNSW32,PQ32"))
+    assert 190 < 1 / flat[1] == 1 / flat[0] < 200 and 1 / pq[0] > 250
+    low, high = neighbour_seconds(plan_index(10**9, 128, 64 * G))  # 262144 lists: the share is 16x the nprobe
+    assert high == pytest.approx(16 * low) and 0.01 < low < 0.05
