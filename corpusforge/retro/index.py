@@ -320,12 +320,29 @@ def load_index(path: Path, search_params: str, mmap: bool = False):
             index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
         # No prefetch threads: a search leaves them to be joined by the next one, and in a worker forked after the
         # driver's recall search those threads do not exist: joining them killed the worker. The lists are mapped,
-        # so a search still reads them; the kernel's readahead replaces faiss's.
-        faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists).prefetch_nthread = 0
+        # so a search still reads them, page by page (see _advise_random); faiss's prefetch was no faster here.
+        lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+        lists.prefetch_nthread = 0
+        _advise_random(faiss, lists)
     else:
         index = faiss.read_index(str(path), flags)
     set_search_params(index, search_params)
     return index
+
+
+def _advise_random(faiss, lists) -> None:
+    """madvise(MADV_RANDOM) on the mapped lists: a query reads its nprobe lists, scattered over the file, and the
+    kernel's read-around on each page fault (8 MB on the reference machine's disk) read 1.3 GB a query at 10M
+    chunks for 160 MB of lists; with this, 135 MB, and 0.92 queries/s instead of 0.77 under a 3 GiB limit."""
+    import ctypes
+
+    if not lists.totsize:
+        return
+    address = faiss.rev_swig_ptr(lists.ptr, lists.totsize).__array_interface__["data"][0]
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(address), ctypes.c_size_t(lists.totsize), 1)  # 1: MADV_RANDOM
+    except AttributeError:  # no madvise: not Linux; the search is the same, only its reads differ
+        pass
 
 
 @functools.lru_cache(maxsize=2)
