@@ -177,7 +177,9 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
     table = chunks_mod.ChunkTable.load(out / "chunks")
     store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
     if "index" not in manifest["stages"]:
-        plan = index_mod.plan_index(len(table), embedder.dim, budget, config.train_per_list, config.index_key)
+        plan = index_mod.plan_index(
+            len(table), embedder.dim, budget, config.train_per_list, config.index_key, index_mod.index_ram()
+        )
         manifest["plan"] = plan.to_dict()
         write_json_atomic(out / MANIFEST, manifest)
         on_disk = config.index_on_disk
@@ -343,7 +345,7 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
 
 def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
     n = chunks_mod.count_chunks(ds, config.chunk_length)
-    plan = index_mod.plan_index(n, dim, budget, config.train_per_list, config.index_key)
+    plan = index_mod.plan_index(n, dim, budget, config.train_per_list, config.index_key, index_mod.index_ram())
     est = estimates(n, dim, plan, config.k)
     return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)
 

@@ -41,7 +41,9 @@ from corpusforge.retro.embed import EmbeddingStore
 HNSW_MAX_VECTORS = 3_000_000
 RATE_HNSW_ADD = 10_000  # vectors/s, HNSW32 (efConstruction 40), d=128: 1M in 96 s (409 s under load)
 RATE_IVF_ADD = 100_000  # vectors/s, IVF1024,Flat at 1M (train on 65k + add: 13.7 s)
-RATE_KMEANS_FLOPS = 2e10  # effective flop/s of faiss k-means (train_n · nlist · d · 2 · iterations)
+# effective flop/s of faiss k-means (train_n · nlist · d · 2 · iterations): IVF16384 trained on 1M 128-d vectors in
+# 261 s at 10M chunks (knn-10m-keys-2026-11-22.json); the 2e10 taken from the 1M runs (1024 lists) was 8x low
+RATE_KMEANS_FLOPS = 1.6e11
 RATE_EMBED_HASHED = 75_000  # chunks/s, hashed embedder (1024-d sketch + PCA to 128), gather from the .bin included
 # The neighbours stage (search, exclusion, exact re-rank), measured on 2 cores. HNSW32: 1,570 query chunks/s at
 # 1M (the whole stage, efSearch 320), 151/s at 10M (efSearch 1616): the cost per query grew as N^1.02.
@@ -133,19 +135,34 @@ def _pq_choices(d: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_index(n: int, dim: int, max_memory: int, train_per_list: int = 64, key: str | None = None) -> IndexPlan:
-    """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string."""
+def plan_index(
+    n: int,
+    dim: int,
+    max_memory: int,
+    train_per_list: int = 64,
+    key: str | None = None,
+    ram: int | None = None,
+) -> IndexPlan:
+    """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string.
+
+    `ram`: the most an index of full vectors (Flat, HNSW, IVF-Flat) may take, default `max_memory`; build-knn
+    passes half this machine's RAM. Beyond it such an index would be searched from disk, and every query reads
+    the vectors it scans: at 10M chunks under a 3 GiB memory limit, IVF16384_HNSW32,Flat on disk answered
+    0.7-0.9 queries/s, while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at 287 queries/s.
+
+    Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF131072_HNSW32,PQ32'"""
     if not 39 <= train_per_list <= 256:
         raise RetroError(f"--train-per-list {train_per_list}: faiss wants 39..256 training vectors per list")
     if key is not None:
         return _plan_for_key(key, n, dim, train_per_list)
-    if n < 1000 and n * dim * 4 <= max_memory:
+    full = min(max_memory, ram if ram is not None else max_memory)
+    if n < 1000 and n * dim * 4 <= full:
         return _plan_for_key("Flat", n, dim, train_per_list)
     for m in (32, 16):
-        if n < HNSW_MAX_VECTORS and _hnsw_bytes(n, dim, m) <= max_memory:
+        if n < HNSW_MAX_VECTORS and _hnsw_bytes(n, dim, m) <= full:
             return _plan_for_key(f"HNSW{m}", n, dim, train_per_list)
     flat_lists = flat_nlist(n)
-    if _ivf_flat_bytes(n, dim, flat_lists) <= max_memory:
+    if _ivf_flat_bytes(n, dim, flat_lists) <= full:
         quantizer = "_HNSW32" if flat_lists >= 8192 else ""
         return _plan_for_key(f"IVF{flat_lists}{quantizer},Flat", n, dim, train_per_list)
     nlist = optimal_nlist(n)
@@ -354,14 +371,19 @@ def shared_index(path: str, mtime_ns: int):
     return load_index(Path(path), "")
 
 
-def fits_in_ram(ram_bytes: int, share: float = 0.5) -> bool:
-    """Whether an index of `ram_bytes` fits in `share` of this machine's memory (the rest: page cache for the
-    embeddings the neighbours stage re-ranks from, and the driver's other arrays). Linux sysconf; True elsewhere."""
+def index_ram() -> int | None:
+    """What an index may hold in RAM here: half this machine's memory (the rest: page cache for the embeddings the
+    neighbours stage re-ranks from, and the driver's other arrays). Linux sysconf; None (no limit) elsewhere."""
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError, AttributeError):
-        return True
-    return ram_bytes <= share * total
+        return None
+
+
+def fits_in_ram(ram_bytes: int) -> bool:
+    """Whether an index of `ram_bytes` fits in index_ram()."""
+    limit = index_ram()
+    return limit is None or ram_bytes <= limit
 
 
 def set_search_params(index, params: str) -> None:

@@ -163,3 +163,11 @@ def test_neighbour_time_model_reproduces_its_measurements_and_brackets_the_rest(
     assert 190 < 1 / flat[1] == 1 / flat[0] < 200 and 1 / pq[0] > 250
     low, high = neighbour_seconds(plan_index(10**9, 128, 64 * G))  # 262144 lists: the share is 16x the nprobe
     assert high == pytest.approx(16 * low) and 0.01 < low < 0.05
+
+
+def test_full_vectors_only_where_they_fit_in_ram():
+    """Beyond `ram` (build-knn: half the machine's) an index of full vectors would be searched from disk."""
+    assert plan_index(10**7, 128, 16 * G).key == "IVF16384_HNSW32,Flat"
+    assert plan_index(10**7, 128, 16 * G, ram=3 * G).key == "OPQ32_128,IVF131072_HNSW32,PQ32"
+    assert plan_index(10**6, 128, 16 * G, ram=G).key == "HNSW32"
+    assert plan_index(10**6, 128, 16 * G, ram=G // 2).key.endswith(",PQ32")
