@@ -22,13 +22,18 @@ the one-worker run being the anchor (what the one-process fill did); checks that
 embeddings of the database `--reuse` would finish (db<chunks>, built first): each key gets a database of its own
 whose chunks/ and embeddings/ are hard links, and `build_knn --resume --index-key K` trains, fills, merges and
 tunes recall (the same steps as the full run); then the sampled neighbours rate. One key after another, in this
-process (peak RSS is the process's so far).
+process (peak RSS is the process's so far). With --index-on-disk the lists are merged into index.ivfdata and
+searched memory-mapped; with --memory-limit 3G the whole run (workers too) is held to 3 GiB, page cache included,
+in a memory cgroup of its own (root): an index larger than that is larger than the RAM it may use.
+--ondisk-search KEY [--memory-limit 3G] [--neighbour-queries 100]: only the cold search of the lists such a run
+merged on disk (db<chunks>-KEY), with the bytes read per query.
 
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
 ladder, and how lexically close the nearest neighbours are (token-set Jaccard). --full-neighbours: the whole
 neighbours stage (every chunk queried) instead of a sample.
-autofaiss (pins numpy<2) is run on the same vectors in its own venv when --autofaiss-python is given.
+autofaiss (pins numpy<2) is run on the same vectors in its own venv when --autofaiss-python is given; with
+--autofaiss-only, only that, on the vectors of the database --reuse would finish.
 Prints a table; writes everything, with machine, versions and git commit, as JSON.
 """
 
@@ -58,6 +63,7 @@ from make_corpus import CorpusSpec, ensure_corpus  # noqa: E402
 from corpusforge import indexed  # noqa: E402
 from corpusforge.retro import BuildConfig, RetroDataset, build_knn  # noqa: E402
 from corpusforge.retro.chunks import ChunkTable, document_bounds  # noqa: E402
+from corpusforge.retro.common import parse_bytes  # noqa: E402
 
 
 def cut_dataset(source: str, out: str, chunks: int, chunk_length: int) -> int:
@@ -296,13 +302,73 @@ def run_autofaiss(python: str, db: Path, work: Path) -> dict:
         " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))\n"
     )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    shutil.rmtree(emb_dir)  # a float32 copy: 5 GB at 10M
+    (work / "af.index").unlink(missing_ok=True)  # its size is in the info
     if proc.returncode:
         return {"failed": proc.stderr.strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def index_keys(db: Path, keys: list[str], queries: int) -> dict:
-    """The index stage per key on `db`'s chunks and embeddings (hard links), each in its own database."""
+def enter_memory_limit(limit: str) -> Path:
+    """Move this process (and the workers it forks later) into a new memory cgroup of `limit` bytes, page cache
+    included, so that an index larger than the limit is really larger than the RAM it may use. Needs root;
+    cgroup v2 or v1. Returns the group's directory."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    group = (Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")) / f"bench-knn-{os.getpid()}"
+    group.mkdir()
+    (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(parse_bytes(limit)))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return group
+
+
+def memory_limit_report(group: Path) -> dict:
+    """The group's limit and its peak use (page cache included), bytes."""
+    v2 = (group / "memory.max").exists()
+    limit = (group / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+    peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text().strip()
+    return {"cgroup": str(group), "limit_bytes": int(limit), "peak_bytes": int(peak)}
+
+
+def ondisk_search(db: Path, key: str, queries: int) -> dict:
+    """The search of an index whose lists were merged on disk (a --index-keys --index-on-disk run: db<chunks>-<key>,
+    kept when that run was stopped before its tuning ended), cold: the page cache is dropped first (root), and a
+    --memory-limit charges every page read to this process. Random query chunks, K=2, 40 candidates, the plan's
+    search parameters; how many bytes the process read per query (/proc/self/io)."""
+    from corpusforge.retro.embed import EmbeddingStore
+    from corpusforge.retro.index import load_index
+    from corpusforge.retro.neighbours import search
+
+    target = db.with_name(f"{db.name}-{key.replace(',', '-')}")
+    manifest = json.loads((target / "manifest.json").read_text())
+    table = ChunkTable.load(target / "chunks")
+    store = EmbeddingStore(target / "embeddings", len(table), manifest["plan"]["dim"], 1 << 20)
+    params = manifest["plan"]["search_params"]
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1")
+    index = load_index(target / "index" / "index.faiss", params)
+    ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
+    read0, t0 = _read_bytes(), time.perf_counter()
+    search(index, store, table.doc, store.get(ids), np.asarray(table.doc[ids]), 2, 40, params)
+    seconds = time.perf_counter() - t0
+    return {
+        "key": key,
+        "index_stage": manifest["stages"]["index"],
+        "lists_bytes": (target / "index" / "index.ivfdata").stat().st_size,
+        "queries": queries,
+        "search_params": params,
+        "queries_per_s": round(queries / seconds, 2),
+        "read_mb_per_query": round((_read_bytes() - read0) / queries / 1e6, 1),
+    }
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = None) -> dict:
+    """The index stage per key on `db`'s chunks and embeddings (hard links), each in its own database; `on_disk`
+    as build-knn's --index-on-disk (None: the planner's rule)."""
     manifest = json.loads((db / "manifest.json").read_text())
     if not {"chunks", "embeddings"} <= set(manifest["stages"]):
         raise SystemExit(f"{db}: chunks and embeddings are not built yet; run without --index-keys first")
@@ -320,7 +386,10 @@ def index_keys(db: Path, keys: list[str], queries: int) -> dict:
         for k in ("plan", "search_params", "candidates"):
             m.pop(k, None)
         (target / "manifest.json").write_text(json.dumps(m, indent=1))
-        config = BuildConfig(prefix=m["config"]["prefix"], output=str(target), index_key=key, neighbours=False)
+        m["config"]["index_on_disk"] = on_disk
+        config = BuildConfig(
+            prefix=m["config"]["prefix"], output=str(target), index_key=key, neighbours=False, index_on_disk=on_disk
+        )
         t0 = time.perf_counter()
         result = build_knn(config, resume=True)
         wall = time.perf_counter() - t0
@@ -372,14 +441,19 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="finish (--resume) an existing DB instead of rebuilding")
     ap.add_argument("--neighbour-queries", type=int, default=2000)
     ap.add_argument("--autofaiss-python", default=None, help="python of a venv with autofaiss installed")
+    ap.add_argument("--autofaiss-only", action="store_true", help="only autofaiss, on the vectors of db<chunks>")
     ap.add_argument("--anchor", action="store_true", help="also compare with v1's 128-d random projection (HNSW32)")
     ap.add_argument("--full-neighbours", action="store_true", help="run the whole neighbours stage (all chunks)")
     ap.add_argument("--add-workers", default=None, help="e.g. 1,2: only the index add, per worker count")
     ap.add_argument("--add-keys", nargs="+", default=["IVF1024,Flat"], help="index keys for --add-workers")
     ap.add_argument("--index-keys", nargs="+", default=None, help="only the index stage, per key (see above)")
+    ap.add_argument("--index-on-disk", action="store_true", help="with --index-keys: merge the lists on disk")
+    ap.add_argument("--ondisk-search", default=None, help="KEY: only the cold search of db<chunks>-KEY's lists")
+    ap.add_argument("--memory-limit", default=None, help="e.g. 3G: run in a memory cgroup of this size (root)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    group = enter_memory_limit(args.memory_limit) if args.memory_limit else None
     day = dt.date.today().isoformat()
     kind = "knn-add" if args.add_workers else "knn-keys" if args.index_keys else "knn"
     args.out = args.out or str(HERE / "results" / f"{kind}-{day}.json")
@@ -421,12 +495,28 @@ def main() -> None:
         print(f"wrote {args.out}")
         return
     db = work / f"db{args.chunks}"
+    if args.ondisk_search:
+        report = {"chunks": chunks, "ondisk": ondisk_search(db, args.ondisk_search, args.neighbour_queries)}
+        if group is not None:
+            report["memory_limit"] = memory_limit_report(group)
+        report.update(_provenance())
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["ondisk"]), f"\nwrote {args.out}", sep="")
+        return
     if args.index_keys:
-        report = {"chunks": chunks, "keys": index_keys(db, args.index_keys, args.neighbour_queries)}
+        on_disk = True if args.index_on_disk else None
+        report = {"chunks": chunks, "keys": index_keys(db, args.index_keys, args.neighbour_queries, on_disk)}
+        if group is not None:
+            report["memory_limit"] = memory_limit_report(group)
         report.update(_provenance())
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
+        return
+    if args.autofaiss_only:
+        report = {"chunks": chunks, "autofaiss": run_autofaiss(args.autofaiss_python, db, work), **_provenance()}
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["autofaiss"]), f"\nwrote {args.out}", sep="")
         return
     if not args.reuse:
         shutil.rmtree(db, ignore_errors=True)
