@@ -148,7 +148,8 @@ def plan_index(
     `ram`: the most an index of full vectors (Flat, HNSW, IVF-Flat) may take, default `max_memory`; build-knn
     passes half this machine's RAM. Beyond it such an index would be searched from disk, and every query reads
     the vectors it scans: at 10M chunks under a 3 GiB memory limit, IVF16384_HNSW32,Flat on disk answered
-    0.7-0.9 queries/s, while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at 287 queries/s.
+    1.1 queries/s (knn-10m-ondisk-3g-2026-11-22.json), while OPQ32 + PQ32 in RAM (0.43 GB) reached the same
+    recall at 287 queries/s.
 
     Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF131072_HNSW32,PQ32'"""
     if not 39 <= train_per_list <= 256:
@@ -217,8 +218,8 @@ def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     """Seconds per query chunk of the neighbours stage on 2 cores, (low, high), extrapolated from the measurements
     above. HNSW: the N^1.02 fit of 1M and 10M. IVF: the list entries scanned at the measured rate, scaled by
     dimension (Flat) or code bytes (PQ). How many lists a query must probe for recall 0.95 was measured at 10M only
-    (16384 lists): `low` assumes the same nprobe at any number of lists, `high` the same share of the lists; at
-    1M-10M the truth lay between (nprobe 192 of 4096 lists, 512 of 16384).
+    (16384 lists): `low` assumes the same nprobe at any number of lists, `high` the same share of the lists. At
+    10M, 4x the lists (4096 → 16384) needed 2.7x the nprobe (192 → 512): between the two.
 
     Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.024, 0.38)"""
     if not plan.nlist:
@@ -350,7 +351,8 @@ def load_index(path: Path, search_params: str, mmap: bool = False):
 def _advise_random(faiss, lists) -> None:
     """madvise(MADV_RANDOM) on the mapped lists: a query reads its nprobe lists, scattered over the file, and the
     kernel's read-around on each page fault (8 MB on the reference machine's disk) read 1.3 GB a query at 10M
-    chunks for 160 MB of lists; with this, 135 MB, and 0.92 queries/s instead of 0.77 under a 3 GiB limit."""
+    chunks for 160 MB of lists, 0.77 queries/s under a 3 GiB limit; with this, 111 MB and 1.1 queries/s
+    (knn-10m-ondisk-3g-2026-11-22.json)."""
     import ctypes
 
     if not lists.totsize:
