@@ -297,16 +297,17 @@ def run_autofaiss(python: str, db: Path, work: Path) -> dict:
         "t=time.time()\n"
         f"_, info = autofaiss.build_index(embeddings='{emb_dir}', index_path='{work}/af.index',"
         f" index_infos_path='{work}/af.json', metric_type='ip', max_index_memory_usage='16G',"
-        " current_memory_available='16G', save_on_disk=True)\n"
+        " current_memory_available='20G', save_on_disk=True)\n"  # it refuses 16G of 16G; this machine has 24 GiB
         "print(json.dumps({'seconds': round(time.time()-t, 1), 'info': info,"
         " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))\n"
     )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
     shutil.rmtree(emb_dir)  # a float32 copy: 5 GB at 10M
     (work / "af.index").unlink(missing_ok=True)  # its size is in the info
-    if proc.returncode:
-        return {"failed": proc.stderr.strip().splitlines()[-1:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
+    if not result.get("info"):  # autofaiss logs why (e.g. "not enough memory") and returns None
+        return {"failed": [line for line in proc.stderr.splitlines() if "ERROR" in line][-3:] or proc.stderr[-500:]}
+    return result
 
 
 def enter_memory_limit(limit: str) -> Path:
