@@ -1,11 +1,12 @@
 """The index stage: a planner that picks a Faiss index for N vectors and a memory budget, then train and fill.
 
 The planner follows autofaiss's published rules (criteo/autofaiss, `get_optimal_index_keys_v2` and
-`get_optimal_nb_clusters`), with two changes measured at 10M chunks: below 1,000 vectors exact search; HNSW
-when its graph and raw vectors fit the budget and N is below 3M (beyond, it filled 4x slower than IVF-Flat and
-served neighbours slower); IVF-Flat whenever it fits (autofaiss: below 1M only), 4·sqrt(N) lists, an HNSW32
-coarse quantizer from 8192 lists; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ, with the largest
-PQ code that fits, and the number of lists growing with N (4·sqrt(N) → 2^14..2^16 → 2^17 → 2^18).
+`get_optimal_nb_clusters`), with changes measured at 10M chunks: below 1,000 vectors exact search; HNSW when
+its graph and raw vectors fit the budget and half the RAM, and N is below 3M (beyond, it filled 4x slower than
+IVF-Flat and served neighbours slower); IVF-Flat whenever it fits both (autofaiss: below 1M only), 4·sqrt(N)
+lists, an HNSW32 coarse quantizer from 8192 lists; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ,
+with the largest PQ code that fits, and the number of lists growing with N: 4·sqrt(N) below 300M, at most
+autofaiss's steps (2^14 from 1M, 2^17 from 10M), then autofaiss's 2^18.
 Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
 
 Filling: the driver trains and saves the empty index (`index/trained.faiss`); an IVF index is then filled by
@@ -100,11 +101,28 @@ def optimal_nlist(n: int) -> int:
     return 2**18
 
 
+def _sqrt_nlist(n: int) -> int:
+    """4·sqrt(N) as a power of two: autofaiss's formula below 1M, the low end of faiss's guideline (4-16·sqrt(N))."""
+    return max(1, 2 ** round(math.log2(4 * math.sqrt(n))))
+
+
 def flat_nlist(n: int) -> int:
-    """Lists of an IVF-Flat index: 4·sqrt(N) as a power of two (autofaiss's formula below 1M), at most 2^16.
-    autofaiss's larger steps (2^17 from 10M) suit PQ codes; lists of full vectors are scanned in full, and
-    2^17 lists at 10M would take ~9 h of k-means on 2 cores against 4.5 min for the 2^14 measured there."""
-    return min(2**16, max(1, 2 ** round(math.log2(4 * math.sqrt(n)))))
+    """Lists of an IVF-Flat index: 4·sqrt(N), at most 2^16. autofaiss's larger steps (2^17 from 10M) would take
+    ~5 h of k-means on 2 cores at 10M against 4.5 min for the 2^14 measured there at recall 0.966."""
+    return min(2**16, _sqrt_nlist(n))
+
+
+def pq_nlist(n: int) -> int:
+    """Lists of an OPQ + PQ index: autofaiss's steps, but below 300M at most 4·sqrt(N). At 10M chunks 2^14 lists
+    reached recall@10 0.951 (nprobe 384, 320 candidates, knn-10m-pq-2026-11-22.json) after 6 min of training;
+    autofaiss's 2^17 would take ~5 h of k-means on 2 cores, and k-means is the one stage that does not split into
+    tasks. From 300M the neighbours stage dominates and more lists shorten it (at 10M, 4x the lists took only 2.7x
+    the nprobe), so autofaiss's 2^18 stays.
+
+    Example: pq_nlist(10**7) -> 16384; pq_nlist(10**9) -> 262144"""
+    if n >= 300_000_000:
+        return optimal_nlist(n)
+    return min(optimal_nlist(n), _sqrt_nlist(n))
 
 
 def _hnsw_bytes(n: int, d: int, m: int) -> int:
@@ -151,7 +169,7 @@ def plan_index(
     1.1 queries/s (knn-10m-ondisk-3g-2026-11-22.json), while OPQ32 + PQ32 in RAM (0.43 GB) reached the same
     recall at 287 queries/s.
 
-    Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF131072_HNSW32,PQ32'"""
+    Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF16384_HNSW32,PQ32'"""
     if not 39 <= train_per_list <= 256:
         raise RetroError(f"--train-per-list {train_per_list}: faiss wants 39..256 training vectors per list")
     if key is not None:
@@ -166,7 +184,7 @@ def plan_index(
     if _ivf_flat_bytes(n, dim, flat_lists) <= full:
         quantizer = "_HNSW32" if flat_lists >= 8192 else ""
         return _plan_for_key(f"IVF{flat_lists}{quantizer},Flat", n, dim, train_per_list)
-    nlist = optimal_nlist(n)
+    nlist = pq_nlist(n)
     for m, d_out in _pq_choices(dim):
         if _ivf_pq_bytes(n, dim, nlist, m, d_out) <= max_memory:
             return _plan_for_key(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}", n, dim, train_per_list)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from corpusforge.retro.common import RetroError
-from corpusforge.retro.index import escalate, optimal_nlist, plan_index
+from corpusforge.retro.index import escalate, optimal_nlist, plan_index, pq_nlist
 
 G = 1 << 30
 
@@ -20,7 +20,7 @@ G = 1 << 30
         (2_000_000, 16 * G, "HNSW32"),
         (10_000_003, 16 * G, "IVF16384_HNSW32,Flat"),  # HNSW32 fits, but IVF-Flat was faster at 10M
         (100_000_000, 64 * G, "IVF32768_HNSW32,Flat"),
-        (5_000_000, 2 * G, "OPQ32_128,IVF16384_HNSW32,PQ32"),
+        (5_000_000, 2 * G, "OPQ32_128,IVF8192_HNSW32,PQ32"),
         (10**9, 64 * G, "OPQ32_128,IVF262144_HNSW32,PQ32"),
         (10**9, 16 * G, "OPQ4_16,IVF262144_HNSW32,PQ4"),
     ],
@@ -38,6 +38,8 @@ def test_nlist_grows_with_n():
     sizes = [10**4, 10**5, 10**6 - 1, 10**6, 10**7, 10**8, 10**9, 10**11]
     lists = [optimal_nlist(n) for n in sizes]
     assert lists == sorted(lists) and lists[0] >= 256 and lists[-1] == 2**18
+    pq = [pq_nlist(n) for n in sizes]  # below 300M 4·sqrt(N) at most (2^14 measured at 10M), then autofaiss's
+    assert pq == sorted(pq) and all(p <= o for p, o in zip(pq, lists)) and pq[4] == 2**14 and pq[-2:] == lists[-2:]
 
 
 def test_budget_too_small_for_any_index():
@@ -168,6 +170,6 @@ def test_neighbour_time_model_reproduces_its_measurements_and_brackets_the_rest(
 def test_full_vectors_only_where_they_fit_in_ram():
     """Beyond `ram` (build-knn: half the machine's) an index of full vectors would be searched from disk."""
     assert plan_index(10**7, 128, 16 * G).key == "IVF16384_HNSW32,Flat"
-    assert plan_index(10**7, 128, 16 * G, ram=3 * G).key == "OPQ32_128,IVF131072_HNSW32,PQ32"
+    assert plan_index(10**7, 128, 16 * G, ram=3 * G).key == "OPQ32_128,IVF16384_HNSW32,PQ32"
     assert plan_index(10**6, 128, 16 * G, ram=G).key == "HNSW32"
     assert plan_index(10**6, 128, 16 * G, ram=G // 2).key.endswith(",PQ32")
