@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -195,18 +196,21 @@ def plan_index(
     )
 
 
-def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
-    import re
+def _pq_bytes(key: str) -> int | None:
+    """The PQ code size of a factory string (its last component's PQm), None when the codes are not PQ."""
+    match = re.search(r"PQ(\d+)", key.split(",")[-1])
+    return int(match.group(1)) if match else None
 
+
+def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
     nlist_match = re.search(r"IVF(\d+)", key)
     nlist = int(nlist_match.group(1)) if nlist_match else 0
-    pq_match = re.search(r"PQ(\d+)", key.split(",")[-1])
+    m = _pq_bytes(key)
     hnsw_match = re.match(r"HNSW(\d+)", key)
     kmeans_dim = dim
     if hnsw_match:
         ram, params = _hnsw_bytes(n, dim, int(hnsw_match.group(1))), "efSearch=64"
-    elif nlist and pq_match:
-        m = int(pq_match.group(1))
+    elif nlist and m:
         d_out = int(re.search(r"OPQ\d+_(\d+)", key).group(1)) if "OPQ" in key else dim
         ram = _ivf_pq_bytes(n, dim, nlist, m, d_out)
         params = _ivf_params(key, min(nlist, 256, max(16, nlist // 64)))
@@ -216,7 +220,7 @@ def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
     else:
         ram, params = n * dim * 4, ""
     train = min(n, train_per_list * nlist) if nlist else 0
-    if pq_match:
+    if m:
         train = min(n, max(train, 256 * 39))  # the PQ codebooks (256 centroids each) need their own 39 per centroid
     iterations = 10
     est_train = (train * max(nlist, 256) * kmeans_dim * 2 * iterations) / RATE_KMEANS_FLOPS if train else 0.0
@@ -243,11 +247,9 @@ def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     if not plan.nlist:
         per = (max(plan.n, 1) / 1e6) ** HNSW_NEIGHBOURS_EXPONENT / RATE_NEIGHBOURS_HNSW_1M
         return per, per
-    import re
-
-    pq = re.search(r"PQ(\d+)", plan.key.split(",")[-1])
-    kind = "pq" if pq else "flat"
-    rate = SCAN_RATE_IVF[kind] * (32 / int(pq.group(1)) if pq else 128 / plan.dim)
+    m = _pq_bytes(plan.key)
+    kind = "pq" if m else "flat"
+    rate = SCAN_RATE_IVF[kind] * (32 / m if m else 128 / plan.dim)
     per_list = plan.n / plan.nlist
     same_nprobe = min(plan.nlist, NPROBE_AT_10M[kind])
     same_share = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] / NLIST_AT_10M * plan.nlist))
