@@ -416,6 +416,16 @@ def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = N
     return out
 
 
+def _write_report(report: dict, out: str, group: Path | None) -> None:
+    """`report` with its provenance (and the memory cgroup's limit and peak, when the run had one) → `out`."""
+    if group is not None:
+        report["memory_limit"] = memory_limit_report(group)
+    report.update(_provenance())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def _provenance() -> dict:
     """Machine, versions, commit and date, for the JSON."""
     return {
@@ -483,7 +493,6 @@ def main() -> None:
     if args.add_workers:
         workers = [int(w) for w in args.add_workers.split(",")]
         report = {"chunks": chunks, "add": add_scaling(prefix, work, args.add_keys, workers, args.repeats)}
-        report.update(_provenance())
         for key, r in report["add"].items():
             for w in workers:
                 print(
@@ -491,33 +500,23 @@ def main() -> None:
                     f"add {r['median_add_s'][w]:,.2f} s (merge {r['median_merge_s'][w]:,.2f} s)  "
                     f"{r['vectors_per_s'][w]:,}/s  x{r['speedup_vs_1'][w]}"
                 )
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        _write_report(report, args.out, group)
         return
     db = work / f"db{args.chunks}"
     if args.ondisk_search:
         report = {"chunks": chunks, "ondisk": ondisk_search(db, args.ondisk_search, args.neighbour_queries)}
-        if group is not None:
-            report["memory_limit"] = memory_limit_report(group)
-        report.update(_provenance())
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(json.dumps(report["ondisk"]), f"\nwrote {args.out}", sep="")
+        print(json.dumps(report["ondisk"]))
+        _write_report(report, args.out, group)
         return
     if args.index_keys:
         on_disk = True if args.index_on_disk else None
         report = {"chunks": chunks, "keys": index_keys(db, args.index_keys, args.neighbour_queries, on_disk)}
-        if group is not None:
-            report["memory_limit"] = memory_limit_report(group)
-        report.update(_provenance())
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        _write_report(report, args.out, group)
         return
     if args.autofaiss_only:
-        report = {"chunks": chunks, "autofaiss": run_autofaiss(args.autofaiss_python, db, work), **_provenance()}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(json.dumps(report["autofaiss"]), f"\nwrote {args.out}", sep="")
+        report = {"chunks": chunks, "autofaiss": run_autofaiss(args.autofaiss_python, db, work)}
+        print(json.dumps(report["autofaiss"]))
+        _write_report(report, args.out, group)
         return
     if not args.reuse:
         shutil.rmtree(db, ignore_errors=True)
@@ -549,7 +548,6 @@ def main() -> None:
         report["anchor"] = anchor_comparison(db, prefix)
     if args.autofaiss_python:
         report["autofaiss"] = run_autofaiss(args.autofaiss_python, db, work)
-    report.update(_provenance())
 
     rows = [
         ("chunks", f"{chunks:,}"),
@@ -578,9 +576,7 @@ def main() -> None:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    _write_report(report, args.out, group)
 
 
 if __name__ == "__main__":
