@@ -24,6 +24,7 @@ from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.common import RetroError, data_fingerprint, open_dataset, parse_bytes, write_json_atomic
 from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
 from corpusforge.retro.hashed import HashedNgramEmbedder
+from corpusforge.retro.listmajor import search_batch
 
 MANIFEST = "manifest.json"
 RECALL_K = 10
@@ -305,7 +306,7 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
 
 def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact, scores) -> float:
     """The index's own order: the first k hits outside the query's document, as a search without re-ranking gives."""
-    _, cand = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(4 * k, 32))
+    _, cand = search_batch(index, queries, max(4 * k, 32))
     bad = (cand < 0) | (db_doc[np.maximum(cand, 0)] == qdoc[:, None])
     approx = np.array(
         [c[~b][:k].tolist() + [-1] * (k - int((~b).sum()) if (~b).sum() < k else 0) for c, b in zip(cand, bad)]

@@ -41,6 +41,7 @@ from corpusforge.retro.common import (
 )
 from corpusforge.retro.embed import Embedder, EmbeddingStore
 from corpusforge.retro.index import set_search_params
+from corpusforge.retro.listmajor import search_batch
 
 MAGIC = b"CFRKNN\x00\x01"
 HEADER = 64
@@ -68,7 +69,7 @@ def search(
     width = max(candidates, k)
     while len(todo):
         _set_width(index, params, width)
-        _, cand = index.search(np.ascontiguousarray(queries[todo], dtype=np.float32), width)
+        _, cand = search_batch(index, queries[todo], width)
         top_ids, top_scores, valid = _rerank(
             store, db_doc, queries[todo], cand, None if query_doc is None else query_doc[todo], k
         )
@@ -106,7 +107,7 @@ def search_prefixes(
 
     Example: search_prefixes(index, store, doc, q, qdoc, 10, "nprobe=64", [40, 60])[60].shape -> (len(q), 10)"""
     set_search_params(index, params)
-    _, cand = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(widths))
+    _, cand = search_batch(index, queries, max(widths))
     out = {w: np.empty((len(queries), k), dtype=np.int64) for w in widths}
     for lo in range(0, len(queries), 128):  # (128, W, d) float32 gathered at a time: 64 MB at W=1024, d=128
         c = cand[lo : lo + 128]

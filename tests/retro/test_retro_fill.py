@@ -11,6 +11,7 @@ from retrokit import run_cli, topical_documents, write_dataset
 from corpusforge.retro import BuildConfig, build_knn
 from corpusforge.retro.fill import add_tasks
 from corpusforge.retro.index import load_index
+from corpusforge.retro.listmajor import list_groups, on_disk_lists, search_batch, search_list_major, wants_list_major
 
 IVF = "IVF16,Flat"
 
@@ -73,6 +74,34 @@ def test_on_disk_lists_search_like_in_ram_and_move_with_the_database(dataset, tm
     b = load_index(tmp_path / "ram" / "index" / "index.faiss", params)
     q = np.random.default_rng(0).standard_normal((50, 128)).astype(np.float32)
     assert a.ntotal == b.ntotal and np.array_equal(a.search(q, 10)[1], b.search(q, 10)[1])
+
+
+@pytest.mark.parametrize("key", [IVF, "OPQ16_64,IVF16,PQ16x4"])
+def test_list_major_search_of_on_disk_lists_equals_faiss_in_any_groups(dataset, tmp_path, key):
+    """The batch search that reads on-disk lists group by group returns faiss's own distances, and its hits in its
+    order, whether the lists form one group or one group each. Only hits tied with the k-th may differ: faiss keeps
+    the first it meets, and 4-bit PQ codes tie often."""
+    for where, on_disk in (("ram", False), ("disk", True)):
+        _build(dataset, tmp_path / where, index_key=key, index_on_disk=on_disk, neighbours=False)
+    ram = load_index(tmp_path / "ram" / "index" / "index.faiss", "nprobe=5")
+    disk = load_index(tmp_path / "disk" / "index" / "index.faiss", "nprobe=5")
+    lists = on_disk_lists(disk)
+    assert on_disk_lists(ram) is None and lists is not None
+    assert wants_list_major(disk, 4) and not wants_list_major(disk, 3) and not wants_list_major(ram, 1000)
+    q = np.random.default_rng(0).standard_normal((300, 128)).astype(np.float32)
+    expect_d, expect_i = ram.search(q, 60)
+    assert (expect_i[:, -1] >= 0).all()  # long enough lists that the k-th hit comes from a later group
+    for group_bytes in (1, 4096, 1 << 30):
+        groups = list_groups(lists, group_bytes)
+        assert [g[0] for g in groups[1:]] == [g[1] for g in groups[:-1]] and groups[-1][1] == 16
+        assert len(groups) == (16 if group_bytes == 1 else 1 if group_bytes == 1 << 30 else len(groups))
+        d, i = search_list_major(disk, q, 60, group_bytes=group_bytes)
+        assert np.array_equal(d, expect_d)
+        untied = expect_d != expect_d[:, -1:]
+        assert np.array_equal(i[untied], expect_i[untied]) and (i >= 0).all()
+        if group_bytes == 1 << 30 or key == IVF:
+            assert np.array_equal(i, expect_i)
+    assert np.array_equal(search_batch(disk, q, 60)[0], expect_d)
 
 
 @pytest.mark.slow
