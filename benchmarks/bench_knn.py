@@ -25,8 +25,9 @@ tunes recall (the same steps as the full run); then the sampled neighbours rate.
 process (peak RSS is the process's so far). With --index-on-disk the lists are merged into index.ivfdata and
 searched memory-mapped; with --memory-limit 3G the whole run (workers too) is held to 3 GiB, page cache included,
 in a memory cgroup of its own (root): an index larger than that is larger than the RAM it may use.
---ondisk-search KEY [--memory-limit 3G] [--neighbour-queries 100]: only the cold search of the lists such a run
-merged on disk (db<chunks>-KEY), with the bytes read per query.
+--keep-index keeps each key's index. --ondisk-search KEY [--memory-limit 3G] [--neighbour-queries 16384]: only
+the cold search of the lists such a run merged on disk and kept (db<chunks>-KEY): faiss's query-by-query search
+(the anchor) against the list-major batch search, then the neighbours stage's search, with bytes read per query.
 
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
@@ -330,36 +331,48 @@ def memory_limit_report(group: Path) -> dict:
     return {"cgroup": str(group), "limit_bytes": int(limit), "peak_bytes": int(peak)}
 
 
-def ondisk_search(db: Path, key: str, queries: int) -> dict:
-    """The search of an index whose lists were merged on disk (a --index-keys --index-on-disk run: db<chunks>-<key>,
-    kept when that run was stopped before its tuning ended), cold: the page cache is dropped first (root), and a
-    --memory-limit charges every page read to this process. Random query chunks, K=2, 40 candidates, the plan's
-    search parameters; how many bytes the process read per query (/proc/self/io)."""
+def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict:
+    """The search of an index whose lists were merged on disk (a --index-keys --index-on-disk --keep-index run:
+    db<chunks>-<key>), cold: the page cache is dropped before each, and a --memory-limit charges every page read
+    to this process. faiss's own search (query by query: each reads its nprobe lists) on `per_query` chunks, the
+    list-major batch search (each list read once) on `queries` chunks; 40 candidates at the plan's parameters;
+    then the neighbours stage's search (K=2, exclusion, exact re-rank) on the same batch. Bytes read per query
+    from /proc/self/io."""
     from corpusforge.retro.embed import EmbeddingStore
     from corpusforge.retro.index import load_index
+    from corpusforge.retro.listmajor import search_list_major
     from corpusforge.retro.neighbours import search
 
     target = db.with_name(f"{db.name}-{key.replace(',', '-')}")
     manifest = json.loads((target / "manifest.json").read_text())
     table = ChunkTable.load(target / "chunks")
     store = EmbeddingStore(target / "embeddings", len(table), manifest["plan"]["dim"], 1 << 20)
-    params = manifest["plan"]["search_params"]
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("1")
-    index = load_index(target / "index" / "index.faiss", params)
+    params = manifest["search_params"]
     ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
-    read0, t0 = _read_bytes(), time.perf_counter()
-    search(index, store, table.doc, store.get(ids), np.asarray(table.doc[ids]), 2, 40, params)
-    seconds = time.perf_counter() - t0
-    return {
-        "key": key,
-        "index_stage": manifest["stages"]["index"],
-        "lists_bytes": (target / "index" / "index.ivfdata").stat().st_size,
-        "queries": queries,
-        "search_params": params,
-        "queries_per_s": round(queries / seconds, 2),
-        "read_mb_per_query": round((_read_bytes() - read0) / queries / 1e6, 1),
+    vectors, doc = store.get(ids), np.asarray(table.doc[ids])
+    index = load_index(target / "index" / "index.faiss", params)
+    runs = {
+        "faiss_per_query": (per_query, lambda: index.search(vectors[:per_query], 40)[1]),
+        "list_major": (queries, lambda: search_list_major(index, vectors, 40)[1]),
+        "neighbours_stage": (queries, lambda: search(index, store, table.doc, vectors, doc, 2, 40, params)[0]),
     }
+    out, found = {"key": key, "lists_bytes": (target / "index" / "index.ivfdata").stat().st_size}, {}
+    for name, (n, run) in runs.items():
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+        read0, t0 = _read_bytes(), time.perf_counter()
+        found[name] = run()
+        seconds = time.perf_counter() - t0
+        out[name] = {
+            "queries": n,
+            "seconds": round(seconds, 1),
+            "queries_per_s": round(n / seconds, 2),
+            "read_mb_per_query": round((_read_bytes() - read0) / n / 1e6, 2),
+        }
+        print(f"{name:<18} {n:>6} queries  {out[name]['queries_per_s']:>8} q/s  {out[name]['read_mb_per_query']} MB/q")
+    out["same_candidates"] = bool(np.array_equal(found["faiss_per_query"], found["list_major"][:per_query]))
+    out["search_params"] = params
+    return out
 
 
 def _read_bytes() -> int:
@@ -367,9 +380,9 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = None) -> dict:
+def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = None, keep: bool = False) -> dict:
     """The index stage per key on `db`'s chunks and embeddings (hard links), each in its own database; `on_disk`
-    as build-knn's --index-on-disk (None: the planner's rule)."""
+    as build-knn's --index-on-disk (None: the planner's rule); `keep`: leave the index for --ondisk-search."""
     manifest = json.loads((db / "manifest.json").read_text())
     if not {"chunks", "embeddings"} <= set(manifest["stages"]):
         raise SystemExit(f"{db}: chunks and embeddings are not built yet; run without --index-keys first")
@@ -412,7 +425,8 @@ def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = N
             f"neighbours {r['neighbours_stage']['chunks_per_s']:,} chunks/s",
             flush=True,
         )
-        shutil.rmtree(target / "index")  # GBs each; the figures are in the JSON
+        if not keep:
+            shutil.rmtree(target / "index")  # GBs each; the figures are in the JSON
     return out
 
 
@@ -459,6 +473,7 @@ def main() -> None:
     ap.add_argument("--add-keys", nargs="+", default=["IVF1024,Flat"], help="index keys for --add-workers")
     ap.add_argument("--index-keys", nargs="+", default=None, help="only the index stage, per key (see above)")
     ap.add_argument("--index-on-disk", action="store_true", help="with --index-keys: merge the lists on disk")
+    ap.add_argument("--keep-index", action="store_true", help="with --index-keys: keep each key's index")
     ap.add_argument("--ondisk-search", default=None, help="KEY: only the cold search of db<chunks>-KEY's lists")
     ap.add_argument("--memory-limit", default=None, help="e.g. 3G: run in a memory cgroup of this size (root)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -510,7 +525,8 @@ def main() -> None:
         return
     if args.index_keys:
         on_disk = True if args.index_on_disk else None
-        report = {"chunks": chunks, "keys": index_keys(db, args.index_keys, args.neighbour_queries, on_disk)}
+        keys = index_keys(db, args.index_keys, args.neighbour_queries, on_disk, args.keep_index)
+        report = {"chunks": chunks, "keys": keys}
         _write_report(report, args.out, group)
         return
     if args.autofaiss_only:
