@@ -146,24 +146,30 @@ def _assigned_to(coarse_i: np.ndarray, coarse_d: np.ndarray, first: int, end: in
 
 def _search_preassigned(faiss, ivf, x: np.ndarray, k: int, assign: np.ndarray, dist: np.ndarray):
     """faiss's IVF scan over the given (query, list) probes; `assign` may be narrower than the index's nprobe, so
-    the probe count goes in search parameters (the Python wrapper insists on the index's own)."""
+    the probe count goes in search parameters (the Python wrapper insists on the index's own). Parallel over
+    queries: in faiss's default mode (0) search_preassigned runs on one thread, since `search` splits the queries
+    over threads before calling it; mode 3 splits them inside, one query at a time (the same result)."""
     n, width = assign.shape
     d = np.empty((n, k), dtype=np.float32)
     i = np.empty((n, k), dtype=np.int64)
     params = faiss.SearchParametersIVF()
     params.nprobe = width
     params.max_codes = ivf.max_codes
-    ivf.search_preassigned_c(
-        n,
-        faiss.swig_ptr(x),
-        k,
-        faiss.swig_ptr(np.ascontiguousarray(assign)),
-        faiss.swig_ptr(np.ascontiguousarray(dist)),
-        faiss.swig_ptr(d),
-        faiss.swig_ptr(i),
-        False,
-        params,
-    )
+    mode, ivf.parallel_mode = ivf.parallel_mode, 3
+    try:
+        ivf.search_preassigned_c(
+            n,
+            faiss.swig_ptr(x),
+            k,
+            faiss.swig_ptr(np.ascontiguousarray(assign)),
+            faiss.swig_ptr(np.ascontiguousarray(dist)),
+            faiss.swig_ptr(d),
+            faiss.swig_ptr(i),
+            False,
+            params,
+        )
+    finally:
+        ivf.parallel_mode = mode
     return d, i
 
 
