@@ -46,6 +46,9 @@ from corpusforge.retro.listmajor import search_batch
 MAGIC = b"CFRKNN\x00\x01"
 HEADER = 64
 MAX_CANDIDATES = 4096
+# Candidate vectors gathered at a time for the exact re-rank, float32 (rows, candidates, d): ~64 MB, 128 queries at
+# 1024 candidates and d=128. A neighbours task of 65,536 queries gathering all at once needed 10.7 GB at 320.
+GATHER_BYTES = 64 << 20
 
 
 def search(
@@ -109,19 +112,30 @@ def search_prefixes(
     set_search_params(index, params)
     _, cand = search_batch(index, queries, max(widths))
     out = {w: np.empty((len(queries), k), dtype=np.int64) for w in widths}
-    for lo in range(0, len(queries), 128):  # (128, W, d) float32 gathered at a time: 64 MB at W=1024, d=128
-        c = cand[lo : lo + 128]
-        qd = None if query_doc is None else query_doc[lo : lo + 128]
-        exact, _ = _exact_scores(store, db_doc, queries[lo : lo + 128], c, qd)
+    for rows in _row_blocks(cand.shape, store.dim):
+        qd = None if query_doc is None else query_doc[rows]
+        exact, _ = _exact_scores(store, db_doc, queries[rows], cand[rows], qd)
         for w in widths:
-            out[w][lo : lo + 128] = _top_k(c[:, :w], exact[:, :w], k)[0]
+            out[w][rows] = _top_k(cand[rows, :w], exact[:, :w], k)[0]
     return out
 
 
+def _row_blocks(shape: tuple[int, int], dim: int) -> list[slice]:
+    """Slices of the rows of a (queries, candidates) array whose candidate vectors fill about GATHER_BYTES."""
+    step = max(1, GATHER_BYTES // max(1, shape[1] * dim * 4))
+    return [slice(lo, lo + step) for lo in range(0, shape[0], step)]
+
+
 def _rerank(store, db_doc, queries, cand, query_doc, k):
-    exact, bad = _exact_scores(store, db_doc, queries, cand, query_doc)
-    top_ids, top_scores = _top_k(cand, exact, k)
-    return top_ids, top_scores, (~bad).sum(1)
+    """The k best candidates of each query by exact score, and how many candidates were not excluded."""
+    ids, scores = np.empty((len(cand), k), np.int64), np.empty((len(cand), k), np.float32)
+    valid = np.empty(len(cand), np.int64)
+    for rows in _row_blocks(cand.shape, store.dim):
+        qd = None if query_doc is None else query_doc[rows]
+        exact, bad = _exact_scores(store, db_doc, queries[rows], cand[rows], qd)
+        ids[rows], scores[rows] = _top_k(cand[rows], exact, k)
+        valid[rows] = (~bad).sum(1)
+    return ids, scores, valid
 
 
 def _exact_scores(store, db_doc, queries, cand, query_doc) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,8 @@ from retrokit import near_duplicate_documents, run_cli, topical_documents, write
 from corpusforge.retro import BuildConfig, RetroDataset, build_knn
 from corpusforge.retro.chunks import ChunkTable
 from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro import neighbours as nb_mod
+from corpusforge.retro.index import load_index
 from corpusforge.retro.neighbours import exact_search, read_neighbours
 
 DATA_FILES = (
@@ -56,6 +58,29 @@ def test_neighbours_equal_exact_search_with_same_document_exclusion(dataset, tmp
     valid = nb >= 0
     assert not (table.doc[np.maximum(nb, 0)] == table.doc[:, None])[valid].any()
     assert result.recall["recall@10"] == 1.0
+
+
+def test_rerank_gathers_candidate_vectors_a_block_of_rows_at_a_time(dataset, tmp_path, monkeypatch):
+    """The exact re-rank gathers the candidates' stored vectors a few rows at a time, with the result of one
+    gather: all at once, a neighbours task of 65,536 queries at 320 candidates took 10.7 GB."""
+    import tracemalloc
+
+    build_knn(_config(dataset, tmp_path / "db", index_key="Flat", neighbours=False))
+    table = ChunkTable.load(tmp_path / "db" / "chunks")
+    store = EmbeddingStore(tmp_path / "db" / "embeddings", len(table), 128, 256)
+    index = load_index(tmp_path / "db" / "index" / "index.faiss", "")
+    queries, doc = store.get(np.arange(len(table))), np.asarray(table.doc)
+    whole = nb_mod.search(index, store, table.doc, queries, doc, 4, 400)  # 64 MB blocks: 327 rows, ~3 blocks
+    monkeypatch.setattr(nb_mod, "GATHER_BYTES", 1 << 20)  # 5 rows of 400 x 128 float32 a block
+    tracemalloc.start()
+    try:
+        small = nb_mod.search(index, store, table.doc, queries, doc, 4, 400)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(small[0], whole[0]) and np.array_equal(small[1], whole[1])
+    gathered_at_once = len(table) * 400 * 128 * 4  # ~140 MB
+    assert peak < 16 << 20 < gathered_at_once, peak
 
 
 def test_near_duplicate_chunks_never_neighbour_their_own_document(dataset, tmp_path):
