@@ -165,10 +165,10 @@ def plan_index(
     """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string.
 
     `ram`: the most an index of full vectors (Flat, HNSW, IVF-Flat) may take, default `max_memory`; build-knn
-    passes half this machine's RAM. Beyond it such an index would be searched from disk, and every query reads
-    the vectors it scans: at 10M chunks under a 3 GiB memory limit, IVF16384_HNSW32,Flat on disk answered
-    1.1 queries/s (knn-10m-ondisk-3g-2026-11-22.json), while OPQ32 + PQ32 in RAM (0.43 GB) reached the same
-    recall at 287 queries/s.
+    passes half this machine's RAM. Beyond it such an index would be searched from disk: at 10M chunks under a
+    3 GiB memory limit, IVF16384_HNSW32,Flat on disk served the neighbours stage at 102 chunks/s read list by list
+    (listmajor.py), and a lone query read ~100 MB (0.96 queries/s; knn-10m-ondisk-listmajor-3g-2026-11-22.json),
+    while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at 287 queries/s and 265 chunks/s.
 
     Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF16384_HNSW32,PQ32'"""
     if not 39 <= train_per_list <= 256:
