@@ -380,9 +380,12 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = None, keep: bool = False) -> dict:
+def index_keys(
+    db: Path, keys: list[str], queries: int, on_disk: bool | None = None, keep: bool = False, kmeans: str = "auto"
+) -> dict:
     """The index stage per key on `db`'s chunks and embeddings (hard links), each in its own database; `on_disk`
-    as build-knn's --index-on-disk (None: the planner's rule); `keep`: leave the index for --ondisk-search."""
+    as build-knn's --index-on-disk (None: the planner's rule); `keep`: leave the index for --ondisk-search;
+    `kmeans` as build-knn's --kmeans."""
     manifest = json.loads((db / "manifest.json").read_text())
     if not {"chunks", "embeddings"} <= set(manifest["stages"]):
         raise SystemExit(f"{db}: chunks and embeddings are not built yet; run without --index-keys first")
@@ -399,10 +402,16 @@ def index_keys(db: Path, keys: list[str], queries: int, on_disk: bool | None = N
         m["stages"] = {k: v for k, v in m["stages"].items() if k in ("chunks", "embeddings")}
         for k in ("plan", "search_params", "candidates"):
             m.pop(k, None)
-        (target / "manifest.json").write_text(json.dumps(m, indent=1))
         m["config"]["index_on_disk"] = on_disk
+        m["config"]["kmeans"] = m["identity"]["kmeans"] = kmeans
+        (target / "manifest.json").write_text(json.dumps(m, indent=1))
         config = BuildConfig(
-            prefix=m["config"]["prefix"], output=str(target), index_key=key, neighbours=False, index_on_disk=on_disk
+            prefix=m["config"]["prefix"],
+            output=str(target),
+            index_key=key,
+            neighbours=False,
+            index_on_disk=on_disk,
+            kmeans=kmeans,
         )
         t0 = time.perf_counter()
         result = build_knn(config, resume=True)
@@ -474,6 +483,7 @@ def main() -> None:
     ap.add_argument("--index-keys", nargs="+", default=None, help="only the index stage, per key (see above)")
     ap.add_argument("--index-on-disk", action="store_true", help="with --index-keys: merge the lists on disk")
     ap.add_argument("--keep-index", action="store_true", help="with --index-keys: keep each key's index")
+    ap.add_argument("--kmeans", nargs="+", default=["auto"], help="with --index-keys: each key trained each way")
     ap.add_argument("--ondisk-search", default=None, help="KEY: only the cold search of db<chunks>-KEY's lists")
     ap.add_argument("--memory-limit", default=None, help="e.g. 3G: run in a memory cgroup of this size (root)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -525,8 +535,11 @@ def main() -> None:
         return
     if args.index_keys:
         on_disk = True if args.index_on_disk else None
-        keys = index_keys(db, args.index_keys, args.neighbour_queries, on_disk, args.keep_index)
-        report = {"chunks": chunks, "keys": keys}
+        runs = {
+            kmeans: index_keys(db, args.index_keys, args.neighbour_queries, on_disk, args.keep_index, kmeans)
+            for kmeans in args.kmeans
+        }
+        report = {"chunks": chunks, "keys": runs["auto"] if list(runs) == ["auto"] else runs}
         _write_report(report, args.out, group)
         return
     if args.autofaiss_only:

@@ -37,6 +37,14 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     help="Training vectors per inverted list.",
 )
 @click.option(
+    "--kmeans",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "flat", "two-level"]),
+    help="How IVF lists are trained: faiss's k-means, or two-level (sqrt(nlist) clusters, each split); auto: "
+    "two-level from 16,384 lists.",
+)
+@click.option(
     "--shard-size",
     default=1 << 20,
     show_default=True,
@@ -196,7 +204,8 @@ def _hours(value) -> str:
 def _plan_rows(plan: dict) -> list[tuple[str, object]]:
     from corpusforge.retro.common import human_bytes
 
-    return [("index", plan["key"]), ("index RAM (est.)", human_bytes(plan["ram_bytes"]))]
+    kmeans = [("k-means", plan["kmeans"])] if plan.get("kmeans") else []
+    return [("index", plan["key"]), *kmeans, ("index RAM (est.)", human_bytes(plan["ram_bytes"]))]
 
 
 @click.command("query-knn")

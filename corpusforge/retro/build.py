@@ -27,6 +27,8 @@ from corpusforge.retro.hashed import HashedNgramEmbedder
 from corpusforge.retro.listmajor import search_batch
 
 MANIFEST = "manifest.json"
+# What a manifest written before an option existed built with: a database trained before --kmeans used faiss's
+LEGACY_IDENTITY = {"kmeans": "flat"}
 RECALL_K = 10
 
 
@@ -51,6 +53,9 @@ class BuildConfig:
     """Force a Faiss index_factory string instead of the planner's choice."""
     train_per_list: int = 64
     """Training vectors per inverted list (faiss wants 39..256)."""
+    kmeans: str = "auto"
+    """How an IVF index's lists are trained: 'flat' (faiss's k-means of nlist centroids), 'two-level' (sqrt(nlist)
+    clusters, each split by its own k-means: ~60x faster at 16,384 lists), 'auto' (two-level from 16,384 lists)."""
     shard_size: int = 1 << 20
     """Chunks per embedding shard: the unit of resuming and of parallel tasks."""
     k: int = 2
@@ -90,6 +95,7 @@ class BuildConfig:
             "shard_size",
             "seed",
             "train_per_list",
+            "kmeans",
             "index_key",
             "max_index_memory",
             "k",
@@ -178,8 +184,9 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
     table = chunks_mod.ChunkTable.load(out / "chunks")
     store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
     if "index" not in manifest["stages"]:
+        ram = index_mod.index_ram()
         plan = index_mod.plan_index(
-            len(table), embedder.dim, budget, config.train_per_list, config.index_key, index_mod.index_ram()
+            len(table), embedder.dim, budget, config.train_per_list, config.index_key, ram, config.kmeans
         )
         manifest["plan"] = plan.to_dict()
         write_json_atomic(out / MANIFEST, manifest)
@@ -234,7 +241,7 @@ def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, to
             raise RetroError(
                 f"{out}: a database is already there; pass --resume to finish it, or choose a new --output"
             )
-        old = manifest.get("identity", {})
+        old = {**LEGACY_IDENTITY, **manifest.get("identity", {})}
         for key in sorted(set(old) | set(ident)):
             if old.get(key) != ident.get(key):
                 raise RetroError(
@@ -346,7 +353,9 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
 
 def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
     n = chunks_mod.count_chunks(ds, config.chunk_length)
-    plan = index_mod.plan_index(n, dim, budget, config.train_per_list, config.index_key, index_mod.index_ram())
+    plan = index_mod.plan_index(
+        n, dim, budget, config.train_per_list, config.index_key, index_mod.index_ram(), config.kmeans
+    )
     est = estimates(n, dim, plan, config.k)
     return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)
 

@@ -31,6 +31,7 @@ import numpy as np
 from corpusforge.retro import fill
 from corpusforge.retro.common import RetroError, c_stdout_to_stderr, human_bytes, import_faiss, kill_point
 from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro.kmeans import train_two_level
 
 # Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
 # chunks, 2026-11-21 (benchmarks/results/knn-pca-1m-full-2026-11-21.json, machine nearly idle; under a load of
@@ -57,6 +58,12 @@ HNSW_NEIGHBOURS_EXPONENT = 1.02
 SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6}  # entries/s at d=128 (Flat) or 32 bytes a code (PQ), re-rank included
 NPROBE_AT_10M = {"flat": 512, "pq": 384}
 NLIST_AT_10M = 16384
+# Two-level k-means (kmeans.py) from this many lists. At 10M chunks, 16384 lists: 4.3 s of training against 261 s
+# for faiss's one-level k-means (knn-10m-kmeans-2026-11-22.json).
+TWO_LEVEL_FROM = 1 << 14
+# OPQ rotation + PQ codebooks, trained on faiss's capped samples (65,536 vectors) whatever N: 68 s at d=128, PQ32
+PQ_TRAIN_S = 68.0
+KMEANS = ("auto", "flat", "two-level")
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class IndexPlan:
     """faiss ParameterSpace string used for queries, before tuning to the recall target."""
     est_train_s: float
     est_add_s: float
+    kmeans: str = ""
+    """How the coarse centroids are trained: 'flat' (faiss's one k-means), 'two-level' (kmeans.py); '' not IVF."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,7 +92,7 @@ class IndexPlan:
         return [
             ("index key", self.key),
             ("vectors", f"{self.n:,} x {self.dim}"),
-            ("train sample", f"{self.train_size:,}"),
+            ("train sample", f"{self.train_size:,}" + (f" ({self.kmeans} k-means)" if self.kmeans else "")),
             ("index RAM", human_bytes(self.ram_bytes)),
             ("index disk", human_bytes(self.disk_bytes)),
             ("search", self.search_params),
@@ -161,6 +170,7 @@ def plan_index(
     train_per_list: int = 64,
     key: str | None = None,
     ram: int | None = None,
+    kmeans: str = "auto",
 ) -> IndexPlan:
     """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string.
 
@@ -170,25 +180,30 @@ def plan_index(
     (listmajor.py), and a lone query read ~100 MB (0.96 queries/s; knn-10m-ondisk-listmajor-3g-2026-11-22.json),
     while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at 287 queries/s and 265 chunks/s.
 
+    `kmeans`: how IVF lists are trained, 'flat', 'two-level', or 'auto' (two-level from TWO_LEVEL_FROM lists).
+
     Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF16384_HNSW32,PQ32'"""
     if not 39 <= train_per_list <= 256:
         raise RetroError(f"--train-per-list {train_per_list}: faiss wants 39..256 training vectors per list")
+    if kmeans not in KMEANS:
+        raise RetroError(f"--kmeans {kmeans}: choose one of {', '.join(KMEANS)}")
+    plan_for = partial(_plan_for_key, n=n, dim=dim, train_per_list=train_per_list, kmeans=kmeans)
     if key is not None:
-        return _plan_for_key(key, n, dim, train_per_list)
+        return plan_for(key)
     full = min(max_memory, ram if ram is not None else max_memory)
     if n < 1000 and n * dim * 4 <= full:
-        return _plan_for_key("Flat", n, dim, train_per_list)
+        return plan_for("Flat")
     for m in (32, 16):
         if n < HNSW_MAX_VECTORS and _hnsw_bytes(n, dim, m) <= full:
-            return _plan_for_key(f"HNSW{m}", n, dim, train_per_list)
+            return plan_for(f"HNSW{m}")
     flat_lists = flat_nlist(n)
     if _ivf_flat_bytes(n, dim, flat_lists) <= full:
         quantizer = "_HNSW32" if flat_lists >= 8192 else ""
-        return _plan_for_key(f"IVF{flat_lists}{quantizer},Flat", n, dim, train_per_list)
+        return plan_for(f"IVF{flat_lists}{quantizer},Flat")
     nlist = pq_nlist(n)
     for m, d_out in _pq_choices(dim):
         if _ivf_pq_bytes(n, dim, nlist, m, d_out) <= max_memory:
-            return _plan_for_key(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}", n, dim, train_per_list)
+            return plan_for(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}")
     smallest = _ivf_pq_bytes(n, dim, nlist, 4, 16)
     raise RetroError(
         f"--max-index-memory {human_bytes(max_memory)} is too small for any index of {n:,} vectors of dimension "
@@ -202,7 +217,7 @@ def _pq_bytes(key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
+def _plan_for_key(key: str, n: int, dim: int, train_per_list: int, kmeans: str = "auto") -> IndexPlan:
     nlist_match = re.search(r"IVF(\d+)", key)
     nlist = int(nlist_match.group(1)) if nlist_match else 0
     m = _pq_bytes(key)
@@ -222,10 +237,20 @@ def _plan_for_key(key: str, n: int, dim: int, train_per_list: int) -> IndexPlan:
     train = min(n, train_per_list * nlist) if nlist else 0
     if m:
         train = min(n, max(train, 256 * 39))  # the PQ codebooks (256 centroids each) need their own 39 per centroid
+    if not nlist:
+        kmeans = ""
+    elif kmeans == "auto":
+        kmeans = "two-level" if nlist >= TWO_LEVEL_FROM else "flat"
+    # centroids each training vector meets an iteration: all of them, or sqrt(nlist) at each of two levels
+    compared = 2 * math.isqrt(nlist) if kmeans == "two-level" else max(nlist, 256)
     iterations = 10
-    est_train = (train * max(nlist, 256) * kmeans_dim * 2 * iterations) / RATE_KMEANS_FLOPS if train else 0.0
+    est_train = (train * compared * kmeans_dim * 2 * iterations) / RATE_KMEANS_FLOPS if train else 0.0
+    if m and kmeans == "two-level":  # measured apart from the k-means only there; inside the flat rate before
+        est_train += PQ_TRAIN_S
     est_add = n / (RATE_HNSW_ADD if hnsw_match else RATE_IVF_ADD)
-    return IndexPlan(key, n, dim, nlist, train, ram, int(ram * 0.95), params, round(est_train, 1), round(est_add, 1))
+    return IndexPlan(
+        key, n, dim, nlist, train, ram, int(ram * 0.95), params, round(est_train, 1), round(est_add, 1), kmeans
+    )
 
 
 def _ivf_params(key: str, nprobe: int) -> str:
@@ -287,7 +312,11 @@ def build_index(
         index = faiss.index_factory(plan.dim, plan.key, faiss.METRIC_INNER_PRODUCT)
         if plan.train_size:
             _seed_training(faiss, index, seed)
-            index.train(store.get(train_sample_ids(plan.n, plan.train_size, seed)))
+            sample = store.get(train_sample_ids(plan.n, plan.train_size, seed))
+            if plan.kmeans == "two-level":
+                train_two_level(faiss, index, sample, seed)
+            else:
+                index.train(sample)
         fill.write_index_atomic(faiss, index, trained_path)
     kill_point("index", 0)
     t_train = time.perf_counter() - t0
