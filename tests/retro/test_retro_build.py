@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from retrokit import near_duplicate_documents, run_cli, topical_documents, write_dataset
 
 from corpusforge.retro import BuildConfig, RetroDataset, build_knn
+from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.chunks import ChunkTable
 from corpusforge.retro.embed import EmbeddingStore
-from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.index import load_index
 from corpusforge.retro.neighbours import exact_search, read_neighbours
 
