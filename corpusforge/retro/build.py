@@ -55,7 +55,7 @@ class BuildConfig:
     """Training vectors per inverted list (faiss wants 39..256)."""
     kmeans: str = "auto"
     """How an IVF index's lists are trained: 'flat' (faiss's k-means of nlist centroids), 'two-level' (sqrt(nlist)
-    clusters, each split by its own k-means: ~60x faster at 16,384 lists), 'auto' (two-level from 16,384 lists)."""
+    clusters, each split by its own k-means: 46x faster at 16,384 lists), 'auto' (two-level from 16,384 lists)."""
     shard_size: int = 1 << 20
     """Chunks per embedding shard: the unit of resuming and of parallel tasks."""
     k: int = 2
