@@ -27,7 +27,7 @@ from corpusforge.retro.hashed import HashedNgramEmbedder
 from corpusforge.retro.listmajor import search_batch
 
 MANIFEST = "manifest.json"
-# What a manifest written before an option existed built with: a database trained before --kmeans used faiss's
+# What a manifest written before an option existed was built with: before --kmeans, faiss's one k-means
 LEGACY_IDENTITY = {"kmeans": "flat"}
 RECALL_K = 10
 

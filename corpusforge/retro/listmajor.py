@@ -29,7 +29,7 @@ from corpusforge.retro.common import import_faiss
 # sequential requests (16384 lists of ~0.3 MB at 10M: 20 groups).
 GROUP_BYTES = 256 << 20
 
-# Rows merged at a time: the (rows, 2k) concatenation of the best so far and a group's hits stays ~16 MB at k=320.
+# Rows merged at a time: the (rows, 2k) ids and distances of the best so far and a group's hits, ~31 MB at k=320.
 MERGE_ROWS = 4096
 
 
