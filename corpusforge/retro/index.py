@@ -58,6 +58,11 @@ HNSW_NEIGHBOURS_EXPONENT = 1.02
 SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6}  # entries/s at d=128 (Flat) or 32 bytes a code (PQ), re-rank included
 NPROBE_AT_10M = {"flat": 512, "pq": 384}
 NLIST_AT_10M = 16384
+# How the nprobe for recall 0.95 grows with the lists, at 10M chunks, OPQ32 + PQ32 trained two-level: 16384 lists
+# crossed 0.95 at nprobe ~378 (0.932 at 256, 0.951 at 384), 65536 lists at ~1,222 (0.939 at 864, 0.952 at 1296),
+# log-interpolated: 3.2x the nprobe for 4x the lists, nlist^0.85 (knn-10m-pq-two-level-2026-11-22.json,
+# knn-10m-pq-65536-2026-11-22.json). 1 would be the same share of the lists.
+NPROBE_EXPONENT = 0.85
 # Two-level k-means (kmeans.py) from this many lists. At 10M chunks, 16384 lists (IVF16384_HNSW32,Flat): 6.3 s of
 # training against 292.7 s for faiss's one k-means, recall@10 0.963 against 0.966 at nprobe 512, and the neighbours
 # stage no slower (knn-10m-kmeans-2026-11-22.json). Below, faiss's k-means takes minutes at most.
@@ -265,11 +270,11 @@ def _ivf_params(key: str, nprobe: int) -> str:
 def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     """Seconds per query chunk of the neighbours stage on 2 cores, (low, high), extrapolated from the measurements
     above. HNSW: the N^1.02 fit of 1M and 10M. IVF: the list entries scanned at the measured rate, scaled by
-    dimension (Flat) or code bytes (PQ). How many lists a query must probe for recall 0.95 was measured at 10M only
-    (16384 lists): `low` assumes the same nprobe at any number of lists, `high` the same share of the lists. At
-    10M, 4x the lists (4096 → 16384) needed 2.7x the nprobe (192 → 512): between the two.
+    dimension (Flat) or code bytes (PQ). The nprobe a query needs for recall 0.95 was measured at 10M chunks only,
+    at 16384 and 65536 lists: one end of the range takes it to grow as nlist^0.85 as it did there, the other as the
+    same share of the lists (nlist^1). Whether more vectors a list need fewer probes or more is not measured.
 
-    Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.024, 0.38)"""
+    Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.25, 0.38)"""
     if not plan.nlist:
         per = (max(plan.n, 1) / 1e6) ** HNSW_NEIGHBOURS_EXPONENT / RATE_NEIGHBOURS_HNSW_1M
         return per, per
@@ -277,9 +282,10 @@ def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     kind = "pq" if m else "flat"
     rate = SCAN_RATE_IVF[kind] * (32 / m if m else 128 / plan.dim)
     per_list = plan.n / plan.nlist
-    same_nprobe = min(plan.nlist, NPROBE_AT_10M[kind])
-    same_share = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] / NLIST_AT_10M * plan.nlist))
-    low, high = sorted((same_nprobe * per_list / rate, same_share * per_list / rate))
+    ratio = plan.nlist / NLIST_AT_10M
+    fitted = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] * ratio**NPROBE_EXPONENT))
+    same_share = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] * ratio))
+    low, high = sorted((fitted * per_list / rate, same_share * per_list / rate))
     return low, high
 
 
