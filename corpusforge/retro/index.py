@@ -218,9 +218,12 @@ def plan_index(
 
 
 def _pq_bytes(key: str) -> int | None:
-    """The PQ code size of a factory string (its last component's PQm), None when the codes are not PQ."""
-    match = re.search(r"PQ(\d+)", key.split(",")[-1])
-    return int(match.group(1)) if match else None
+    """The PQ code size in bytes of a factory string (its last component's PQm or PQmxb: m codes of b bits, 8 by
+    default, as in the fast-scan PQ64x4fs), None when the codes are not PQ.
+
+    Example: _pq_bytes("OPQ32_128,IVF16384_HNSW32,PQ32") -> 32; _pq_bytes("IVF16384,PQ64x4fs") -> 32"""
+    match = re.search(r"PQ(\d+)(?:x(\d+))?", key.split(",")[-1])
+    return int(match.group(1)) * int(match.group(2) or 8) // 8 if match else None
 
 
 def _plan_for_key(key: str, n: int, dim: int, train_per_list: int, kmeans: str = "auto") -> IndexPlan:
@@ -329,11 +332,18 @@ def build_index(
     t_train = time.perf_counter() - t0
     executor = executor or LocalExecutor(1)
     merge_s = 0.0
-    if plan.nlist:
+    parts = mergeable(plan.key) and plan.nlist > 0
+    if on_disk and not parts:
+        raise RetroError(
+            f"index {plan.key}: its lists cannot be merged on disk (fast-scan codes are stored in blocks, which faiss "
+            "cannot merge: faiss issue #2407); drop --index-on-disk, or give a key without 'fs'"
+        )
+    if parts:
         tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress)
     else:
         # HNSW (and Flat, below 1,000 vectors): one task, here, with every core. faiss cannot merge two HNSW
-        # graphs, so parts would have to be re-added one by one into one graph: the whole cost again.
+        # graphs, so parts would have to be re-added one by one into one graph: the whole cost again. Nor can it
+        # merge fast-scan lists (see mergeable).
         index = faiss.read_index(str(trained_path))
         for _first, block in store.blocks(rows=1 << 16):
             index.add(block)
@@ -349,9 +359,18 @@ def build_index(
         "ntotal": store.n,
         "add_tasks": tasks,
         "merge_s": round(merge_s, 3),
-        "executor": executor.name if plan.nlist else "driver",
-        "workers": executor.workers if plan.nlist else 1,
+        "executor": executor.name if parts else "driver",
+        "workers": executor.workers if parts else 1,
     }
+
+
+def mergeable(key: str) -> bool:
+    """Whether parts of this index can be merged: not fast-scan PQ (PQmx4fs). faiss keeps those lists in blocks
+    whose code_size is SIZE_MAX (faiss issue #2407): merging 39 parts of OPQ64_128,IVF16384_HNSW32,PQ64x4fs at 10M
+    corrupted the heap ("corrupted size vs. prev_size") at the 20th, and on disk faiss refuses them.
+
+    Example: mergeable("OPQ64_128,IVF16384_HNSW32,PQ64x4fs") -> False"""
+    return not re.search(r"PQ\d+x\d+fs", key.split(",")[-1])
 
 
 def _fill_ivf(store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None) -> tuple[int, float]:

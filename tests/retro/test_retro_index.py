@@ -176,3 +176,13 @@ def test_full_vectors_only_where_they_fit_in_ram():
     assert plan_index(10**7, 128, 16 * G, ram=3 * G).key == "OPQ32_128,IVF16384_HNSW32,PQ32"
     assert plan_index(10**6, 128, 16 * G, ram=G).key == "HNSW32"
     assert plan_index(10**6, 128, 16 * G, ram=G // 2).key.endswith(",PQ32")
+
+
+def test_pq_code_bytes_count_the_bits_of_each_code():
+    """PQ64x4fs (fast-scan, 4-bit codes) takes 32 bytes a vector, as PQ32 does: the RAM and time estimates use it."""
+    from corpusforge.retro.index import _pq_bytes
+
+    assert _pq_bytes("OPQ32_128,IVF16384_HNSW32,PQ32") == 32 == _pq_bytes("OPQ64_128,IVF16384_HNSW32,PQ64x4fs")
+    assert _pq_bytes("IVF8,PQ4x4") == 2 and _pq_bytes("IVF16,Flat") is None and _pq_bytes("HNSW32") is None
+    fast = plan_index(10**7, 128, G, key="OPQ64_128,IVF16384_HNSW32,PQ64x4fs")
+    assert fast.ram_bytes == plan_index(10**7, 128, G, key="OPQ32_128,IVF16384_HNSW32,PQ32").ram_bytes
