@@ -116,6 +116,22 @@ def import_faiss():
     return faiss
 
 
+def through_pre_transform(faiss, index, x: np.ndarray, train: bool = False):
+    """(the index inside an IndexPreTransform, `x` through its chain of OPQ/PCA transforms); the index itself and
+    `x` unchanged when there is no chain. `train`: train each untrained transform on its input first, in order.
+
+    Example: through_pre_transform(faiss, faiss.index_factory(128, "OPQ32_128,IVF64,PQ32"), x)[1].shape[1] -> 128"""
+    index = faiss.downcast_index(index)
+    if not isinstance(index, faiss.IndexPreTransform):
+        return index, np.ascontiguousarray(x, dtype=np.float32)
+    for t in range(index.chain.size()):
+        transform = faiss.downcast_VectorTransform(index.chain.at(t))
+        if train and not transform.is_trained:
+            transform.train(x)
+        x = transform.apply(x)
+    return index.index, np.ascontiguousarray(x, dtype=np.float32)
+
+
 @contextlib.contextmanager
 def faiss_threads(threads: int):
     """faiss's OpenMP threads set to `threads` inside the block (0: leave them), restored after.

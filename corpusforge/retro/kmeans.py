@@ -20,27 +20,21 @@ import math
 
 import numpy as np
 
+from corpusforge.retro.common import through_pre_transform
+
 
 def train_two_level(faiss, index, x: np.ndarray, seed: int) -> None:
     """Train `index` (IVF, or IVF behind an OPQ/PCA pre-transform) on `x`, its coarse centroids from two-level
     k-means; the rest (PQ codebooks, OPQ rotation) as faiss's own train does it.
 
     Example: train_two_level(faiss, faiss.index_factory(128, "IVF16384_HNSW32,Flat"), sample, seed=0)"""
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexPreTransform):
-        for t in range(index.chain.size()):
-            transform = index.chain.at(t)
-            if not transform.is_trained:
-                transform.train(x)
-            x = transform.apply(x)
-        train_two_level(faiss, index.index, x, seed)
-        index.is_trained = True
-        return
-    ivf = faiss.extract_index_ivf(index)
+    inner, x = through_pre_transform(faiss, index, x, train=True)
+    ivf = faiss.extract_index_ivf(inner)
     centroids = two_level_centroids(faiss, x, ivf.nlist, ivf.cp, seed)
     ivf.quantizer.train(centroids)
     ivf.quantizer.add(centroids)
     ivf.train(x)  # with a full quantizer faiss skips the coarse k-means and trains the rest (PQ, residuals)
+    index.is_trained = True  # an IndexPreTransform around it: its chain and inner index are trained
 
 
 def two_level_centroids(faiss, x: np.ndarray, nlist: int, cp, seed: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from corpusforge.retro.common import import_faiss
+from corpusforge.retro.common import import_faiss, through_pre_transform
 
 # Bytes of lists per group: the group being scanned and the one read ahead stay in the page cache together
 # (512 MB), small beside the 3 GiB the 10M benchmark ran in, and large enough that a group is read in long
@@ -68,7 +68,7 @@ def search_list_major(index, queries: np.ndarray, k: int, group_bytes: int = GRO
     faiss = import_faiss()
     ivf = faiss.extract_index_ivf(index)
     lists = on_disk_lists(index)
-    x = _pre_transform(faiss, index, np.ascontiguousarray(queries, dtype=np.float32))
+    _, x = through_pre_transform(faiss, index, queries)
     nprobe = min(ivf.nprobe, ivf.nlist)
     coarse_d, coarse_i = ivf.quantizer.search(x, nprobe)  # (n, nprobe): each query's lists, nearest first
     larger_first = ivf.metric_type == faiss.METRIC_INNER_PRODUCT
@@ -104,15 +104,6 @@ def list_groups(lists, group_bytes: int) -> list[tuple[int, int, int, int]]:
         groups.append((first, end, int(offset[first]), int(end_byte[first:end].max())))
         first = end
     return groups
-
-
-def _pre_transform(faiss, index, x: np.ndarray) -> np.ndarray:
-    """The queries as the IVF index sees them: through an IndexPreTransform's chain (OPQ, PCA) when there is one."""
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexPreTransform):
-        for t in range(index.chain.size()):
-            x = faiss.downcast_VectorTransform(index.chain.at(t)).apply(x)
-    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def _empty_hits(n: int, k: int, inner_product: bool) -> tuple[np.ndarray, np.ndarray]:
