@@ -123,17 +123,19 @@ def _sqrt_nlist(n: int) -> int:
 
 
 def flat_nlist(n: int) -> int:
-    """Lists of an IVF-Flat index: 4·sqrt(N), at most 2^16. autofaiss's larger steps (2^17 from 10M) would take
-    ~5 h of k-means on 2 cores at 10M against 4.5 min for the 2^14 measured there at recall 0.966."""
+    """Lists of an IVF-Flat index: 4·sqrt(N), at most 2^16 (the low end of faiss's 4-16·sqrt(N)). 2^14 was measured
+    at 10M (recall 0.966); autofaiss's 2^17 there would give lists of ~76 full vectors, and took ~5 h of faiss's
+    one-level k-means on 2 cores (two-level k-means, now the default from 2^14 lists, makes training cheap either
+    way)."""
     return min(2**16, _sqrt_nlist(n))
 
 
 def pq_nlist(n: int) -> int:
     """Lists of an OPQ + PQ index: autofaiss's steps, but below 300M at most 4·sqrt(N). At 10M chunks 2^14 lists
     reached recall@10 0.951 (nprobe 384, 320 candidates, knn-10m-pq-2026-11-22.json) after 6 min of training;
-    autofaiss's 2^17 would take ~5 h of k-means on 2 cores, and k-means is the one stage that does not split into
-    tasks. From 300M the neighbours stage dominates and more lists shorten it (at 10M, 4x the lists took only 2.7x
-    the nprobe), so autofaiss's 2^18 stays.
+    autofaiss's 2^17 would have taken ~5 h of faiss's one-level k-means on 2 cores (two-level k-means now trains
+    either in minutes), and more lists bought little at 10M: 4x the lists needed 3.2x the nprobe, 0.81x the codes
+    scanned (NPROBE_EXPONENT). From 300M autofaiss's 2^18 stays.
 
     Example: pq_nlist(10**7) -> 16384; pq_nlist(10**9) -> 262144"""
     if n >= 300_000_000:
