@@ -331,6 +331,11 @@ def memory_limit_report(group: Path) -> dict:
     return {"cgroup": str(group), "limit_bytes": int(limit), "peak_bytes": int(peak)}
 
 
+def key_db(db: Path, key: str) -> Path:
+    """The database --index-keys builds for `key` beside `db`: db<chunks>-<key with ',' as '-'>."""
+    return db.with_name(f"{db.name}-{key.replace(',', '-')}")
+
+
 def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict:
     """The search of an index whose lists were merged on disk (a --index-keys --index-on-disk --keep-index run:
     db<chunks>-<key>), cold: the page cache is dropped before each, and a --memory-limit charges every page read
@@ -343,7 +348,7 @@ def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict
     from corpusforge.retro.listmajor import search_list_major
     from corpusforge.retro.neighbours import search
 
-    target = db.with_name(f"{db.name}-{key.replace(',', '-')}")
+    target = key_db(db, key)
     manifest = json.loads((target / "manifest.json").read_text())
     table = ChunkTable.load(target / "chunks")
     store = EmbeddingStore(target / "embeddings", len(table), manifest["plan"]["dim"], 1 << 20)
@@ -391,7 +396,7 @@ def index_keys(
         raise SystemExit(f"{db}: chunks and embeddings are not built yet; run without --index-keys first")
     out = {}
     for key in keys:
-        target = db.with_name(f"{db.name}-{key.replace(',', '-')}")
+        target = key_db(db, key)
         shutil.rmtree(target, ignore_errors=True)
         for stage in ("chunks", "embeddings"):
             shutil.copytree(db / stage, target / stage, copy_function=os.link)
