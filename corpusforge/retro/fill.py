@@ -23,8 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge.retro.common import c_stdout_to_stderr, faiss_threads, fsync_dir, import_faiss, kill_point, load_npy
+from corpusforge.retro.common import (
+    c_stdout_to_stderr,
+    faiss_threads,
+    fsync_dir,
+    import_faiss,
+    kill_point,
+    load_npy,
+    through_pre_transform,
+)
 from corpusforge.retro.embed import shard_path
+from corpusforge.retro.fastscan import pack_lists, plain_twin
 
 # Rows per add task: the block size of the one-process fill (so the bytes are those it wrote); at 100k vectors/s
 # per core (IVF-Flat) a task takes ~3 s, long beside loading trained.faiss and short enough to spread.
@@ -74,8 +83,15 @@ def add_range(job: AddJob, task: tuple[int, int, int], ctx=None) -> int:
     # (the driver trained the index) as soon as the child starts one with more threads.
     with faiss_threads(ctx.threads if ctx is not None else 0):
         index = faiss.read_index(str(directory / "trained.faiss"))
-        index.add_with_ids(block, np.arange(lo, hi, dtype=np.int64))
-    write_index_atomic(faiss, index, part_path(directory, i))
+        ids = np.arange(lo, hi, dtype=np.int64)
+        inner = faiss.downcast_index(faiss.extract_index_ivf(index))
+        if isinstance(inner, faiss.IndexIVFPQFastScan):  # its lists cannot be merged: encode into a plain twin
+            part = plain_twin(faiss, inner)
+            part.add_with_ids(through_pre_transform(faiss, index, block)[1], ids)
+        else:
+            part = index
+            part.add_with_ids(block, ids)
+    write_index_atomic(faiss, part, part_path(directory, i))
     if ctx is not None and ctx.report:
         ctx.report(hi - lo)
     kill_point("index", i + 1)
@@ -87,36 +103,50 @@ def merge_parts(directory: Path, tasks: int, on_disk: bool) -> None:
 
     In RAM, the merged lists live in the index file; on disk, they are written to index.ivfdata (faiss's
     OnDiskInvertedLists, as `faiss.contrib.ondisk.merge_ondisk` does) and the index file holds only their offsets,
-    so merging and searching need the quantizer in RAM, not the lists: the parts are read memory-mapped."""
+    so merging and searching need the quantizer in RAM, not the lists: the parts are read memory-mapped. A fast-scan
+    index's parts are plain IVFPQ lists: merged on disk into a scratch file, then packed into its blocks in RAM
+    (fastscan.py), so the merge holds the packed lists and not a second copy."""
     faiss = import_faiss()
     merged = faiss.read_index(str(directory / "trained.faiss"))
-    ivf = faiss.extract_index_ivf(merged)
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(merged))
     parts = [part_path(directory, t) for t in range(tasks)]
-    if not on_disk:
+    if isinstance(ivf, faiss.IndexIVFPQFastScan):
+        plain = plain_twin(faiss, ivf)
+        scratch = directory / "plain.ivfdata.tmp"  # a leftover *.tmp is removed when the stage starts again
+        _merge_on_disk(faiss, plain, parts, scratch)
+        pack_lists(faiss, ivf, plain)
+        del plain
+        scratch.unlink()
+    elif on_disk:
+        data = directory / "index.ivfdata"
+        tmp = data.with_name(data.name + ".tmp")
+        ondisk = _merge_on_disk(faiss, ivf, parts, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, data)  # the lists stay mapped through the rename (same inode)
+        ondisk.filename = str(data)  # what index.faiss records; load_index finds it beside index.faiss wherever it is
+    else:
         for path in parts:
             part = faiss.read_index(str(path))  # held while its lists are merged: the IVF view does not own it
             ivf.merge_from(faiss.extract_index_ivf(part), 0)
-        merged.ntotal = ivf.ntotal
-        write_index_atomic(faiss, merged, directory / "index.faiss")
-        return
+    merged.ntotal = ivf.ntotal
+    write_index_atomic(faiss, merged, directory / "index.faiss")
+
+
+def _merge_on_disk(faiss, ivf, parts: list[Path], path: Path):
+    """The parts' lists, in order, merged into OnDiskInvertedLists at `path`, which become `ivf`'s lists (owned by
+    it); returns them."""
     keep, lists = [], faiss.InvertedListsPtrVector()
-    for path in parts:
-        part = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
+    for part_file in parts:
+        part = faiss.read_index(str(part_file), faiss.IO_FLAG_MMAP)
         keep.append(part)  # the part owns its lists: it must outlive the merge
         lists.push_back(faiss.extract_index_ivf(part).invlists)
-    data = directory / "index.ivfdata"
-    tmp = data.with_name(data.name + ".tmp")
     with c_stdout_to_stderr():
-        ondisk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(tmp))
-        ntotal = ondisk.merge_from_multiple(lists.data(), lists.size(), False)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, data)  # the lists stay mapped through the rename (same inode)
-    ondisk.filename = str(data)  # what index.faiss records; load_index finds it beside index.faiss wherever it is
-    merged.ntotal = ivf.ntotal = ntotal
+        ondisk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(path))
+        ivf.ntotal = ondisk.merge_from_multiple(lists.data(), lists.size(), False)
     ivf.replace_invlists(ondisk, True)
     ondisk.this.disown()
-    write_index_atomic(faiss, merged, directory / "index.faiss")
+    return ondisk
 
 
 def write_index_atomic(faiss, index, path: Path) -> None:

@@ -12,7 +12,8 @@ Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds)
 Filling: the driver trains and saves the empty index (`index/trained.faiss`); an IVF index is then filled by
 independent add tasks on the build's executor (local processes or Ray), each writing one part, and the parts'
 inverted lists are merged into `index/index.faiss`, on disk (`index/index.ivfdata`) when the index does not fit
-in RAM: see fill.py. HNSW and Flat cannot be merged and are filled in one pass, in the driver.
+in RAM: see fill.py (fast-scan PQ lists, which faiss cannot merge, are encoded by the tasks as plain PQ and packed
+by the merge: fastscan.py). HNSW and Flat cannot be merged and are filled in one pass, in the driver.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from corpusforge.retro import fill
 from corpusforge.retro.common import RetroError, c_stdout_to_stderr, human_bytes, import_faiss, kill_point
 from corpusforge.retro.embed import EmbeddingStore
+from corpusforge.retro.fastscan import is_fast_scan
 from corpusforge.retro.kmeans import train_two_level
 
 # Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
@@ -314,6 +316,11 @@ def build_index(
     Example: build_index(plan_index(10**6, 128, 16 << 30), store, Path("db/index"), 0)["ntotal"] -> 1000000"""
     from corpusforge.executors import LocalExecutor
 
+    if on_disk and is_fast_scan(plan.key):
+        raise RetroError(
+            f"index {plan.key}: fast-scan lists cannot live on disk (faiss keeps them in RAM, in blocks of codes); "
+            "drop --index-on-disk, or give a key without 'fs'"
+        )
     faiss = import_faiss()
     directory.mkdir(parents=True, exist_ok=True)
     for leftover in directory.glob("*.tmp"):
@@ -334,18 +341,12 @@ def build_index(
     t_train = time.perf_counter() - t0
     executor = executor or LocalExecutor(1)
     merge_s = 0.0
-    parts = mergeable(plan.key) and plan.nlist > 0
-    if on_disk and not parts:
-        raise RetroError(
-            f"index {plan.key}: its lists cannot be merged on disk (fast-scan codes are stored in blocks, which faiss "
-            "cannot merge: faiss issue #2407); drop --index-on-disk, or give a key without 'fs'"
-        )
+    parts = plan.nlist > 0
     if parts:
         tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress)
     else:
         # HNSW (and Flat, below 1,000 vectors): one task, here, with every core. faiss cannot merge two HNSW
-        # graphs, so parts would have to be re-added one by one into one graph: the whole cost again. Nor can it
-        # merge fast-scan lists (see mergeable).
+        # graphs, so parts would have to be re-added one by one into one graph: the whole cost again.
         index = faiss.read_index(str(trained_path))
         for _first, block in store.blocks(rows=1 << 16):
             index.add(block)
@@ -364,15 +365,6 @@ def build_index(
         "executor": executor.name if parts else "driver",
         "workers": executor.workers if parts else 1,
     }
-
-
-def mergeable(key: str) -> bool:
-    """Whether parts of this index can be merged: not fast-scan PQ (PQmx4fs). faiss keeps those lists in blocks
-    whose code_size is SIZE_MAX (faiss issue #2407): merging 39 parts of OPQ64_128,IVF16384_HNSW32,PQ64x4fs at 10M
-    corrupted the heap ("corrupted size vs. prev_size") at the 20th, and on disk faiss refuses them.
-
-    Example: mergeable("OPQ64_128,IVF16384_HNSW32,PQ64x4fs") -> False"""
-    return not re.search(r"PQ\d+x\d+fs", key.split(",")[-1])
 
 
 def _fill_ivf(store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None) -> tuple[int, float]:
