@@ -45,6 +45,13 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     "two-level from 16,384 lists.",
 )
 @click.option(
+    "--gpu",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "on", "off"]),
+    help="Run the index's k-means and list assignment on the GPUs faiss-gpu sees (auto: when there are any).",
+)
+@click.option(
     "--shard-size",
     default=1 << 20,
     show_default=True,
@@ -188,9 +195,11 @@ def _tasks(stats: dict) -> str:
     """' (4 task(s) on 2 local worker(s))', or nothing for a stage recorded before it ran as tasks."""
     if "workers" not in stats:
         return ""
+    tasks = stats.get("add_tasks", stats.get("tasks"))
+    if stats.get("gpus"):  # add tasks assigning on GPUs, one after another in the process that holds them
+        return f" ({tasks} task(s) in this process, on {stats['gpus']} GPU(s))"
     if stats["executor"] == "driver":  # an HNSW graph (which cannot be merged), or a model embedding queries
         return " (one task, in this process)"
-    tasks = stats.get("add_tasks", stats.get("tasks"))
     return f" ({tasks} task(s) on {stats['workers']} {stats['executor']} worker(s))"
 
 

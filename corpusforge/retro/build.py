@@ -21,8 +21,16 @@ from corpusforge.executors import make_executor
 from corpusforge.retro import chunks as chunks_mod
 from corpusforge.retro import index as index_mod
 from corpusforge.retro import neighbours as nb_mod
-from corpusforge.retro.common import RetroError, data_fingerprint, open_dataset, parse_bytes, write_json_atomic
+from corpusforge.retro.common import (
+    RetroError,
+    data_fingerprint,
+    import_faiss,
+    open_dataset,
+    parse_bytes,
+    write_json_atomic,
+)
 from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
+from corpusforge.retro.gpu import gpus_for
 from corpusforge.retro.hashed import HashedNgramEmbedder
 from corpusforge.retro.listmajor import search_batch
 
@@ -73,6 +81,11 @@ class BuildConfig:
     """Seeds the embedder, the training sample and the recall queries."""
     neighbours: bool = True
     """Run the neighbours stage (off: build the searchable index only)."""
+    gpu: str = "auto"
+    """GPUs for the index's k-means and list assignment with faiss-gpu: 'auto' (every one faiss sees; none with
+    faiss-cpu), 'on' (an error without one), 'off'. Not part of the identity, though a GPU-filled index's bytes
+    differ from a CPU-filled one's: the GPU assigns each vector its exact nearest list, the HNSW quantizer an
+    approximate one. Both are valid; a build resumed on other hardware holds some of each."""
     index_on_disk: bool | None = None
     """Merge an IVF index's inverted lists into index/index.ivfdata, searched memory-mapped, instead of holding them
     in RAM; None: when the planned index needs more than half of this machine's RAM. Not part of the identity:
@@ -146,6 +159,7 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
     Example: build_knn(BuildConfig("out/corpus_text_document", "db/")).recall["recall@10"] -> 0.96"""
     ds = open_dataset(config.prefix)
     budget = parse_bytes(config.max_index_memory)
+    gpus_for(import_faiss(), config.gpu)  # '--gpu on' without a GPU fails now, not after the embeddings stage
     tok_spec = resolve_tokenizer(config.prefix, config.tokenizer)
     tokenizer = _load_tokenizer(tok_spec) if config.embedder != "hashed" else None
     embedder = load_embedder(config.embedder, config.dim, config.seed, tokenizer)
@@ -193,7 +207,8 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
         on_disk = config.index_on_disk
         if on_disk is None:
             on_disk = not index_mod.fits_in_ram(plan.ram_bytes)
-        build = partial(index_mod.build_index, executor=executor, on_disk=on_disk and plan.nlist > 0)
+        gpus = gpus_for(import_faiss(), config.gpu) if plan.nlist else 0
+        build = partial(index_mod.build_index, executor=executor, on_disk=on_disk and plan.nlist > 0, gpus=gpus)
         finish("index", build(plan, store, out / "index", config.seed, progress and progress("index", plan.n)))
     plan = index_mod.IndexPlan(**manifest["plan"])
     path = out / "index" / "index.faiss"

@@ -34,6 +34,7 @@ from corpusforge.retro.common import (
 )
 from corpusforge.retro.embed import shard_path
 from corpusforge.retro.fastscan import pack_lists, plain_twin
+from corpusforge.retro.gpu import add_assigned, cached_centroid_index
 
 # Rows per add task: the block size of the one-process fill (so the bytes are those it wrote); at 100k vectors/s
 # per core (IVF-Flat) a task takes ~3 s, long beside loading trained.faiss and short enough to spread.
@@ -49,6 +50,9 @@ class AddJob:
     directory: str
     """The database's index/ directory: trained.faiss is read from it, parts are written to it."""
     shard_size: int
+    gpus: int = 0
+    """GPUs that assign each vector its list (gpu.py); the tasks then run one after another in the driver, which
+    holds the GPUs (a forked worker cannot use the CUDA context of its parent)."""
 
 
 def add_tasks(n: int, shard_size: int, rows: int = ADD_ROWS) -> list[tuple[int, int, int]]:
@@ -82,14 +86,18 @@ def add_range(job: AddJob, task: tuple[int, int, int], ctx=None) -> int:
     # One OpenMP thread in a forked worker: GNU OpenMP hangs a child whose parent already ran a parallel region
     # (the driver trained the index) as soon as the child starts one with more threads.
     with faiss_threads(ctx.threads if ctx is not None else 0):
-        index = faiss.read_index(str(directory / "trained.faiss"))
+        trained = directory / "trained.faiss"
+        index = faiss.read_index(str(trained))
         ids = np.arange(lo, hi, dtype=np.int64)
         inner = faiss.downcast_index(faiss.extract_index_ivf(index))
+        part = index
         if isinstance(inner, faiss.IndexIVFPQFastScan):  # its lists cannot be merged: encode into a plain twin
             part = plain_twin(faiss, inner)
-            part.add_with_ids(through_pre_transform(faiss, index, block)[1], ids)
+            block = through_pre_transform(faiss, index, block)[1]
+        if job.gpus:
+            centroids = cached_centroid_index(str(trained), trained.stat().st_mtime_ns, job.gpus)
+            add_assigned(faiss, part, block, ids, centroids)
         else:
-            part = index
             part.add_with_ids(block, ids)
     write_index_atomic(faiss, part, part_path(directory, i))
     if ctx is not None and ctx.report:

@@ -33,6 +33,7 @@ from corpusforge.retro import fill
 from corpusforge.retro.common import RetroError, c_stdout_to_stderr, human_bytes, import_faiss, kill_point
 from corpusforge.retro.embed import EmbeddingStore
 from corpusforge.retro.fastscan import is_fast_scan
+from corpusforge.retro.gpu import train_with
 from corpusforge.retro.kmeans import train_two_level
 
 # Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
@@ -308,9 +309,11 @@ def build_index(
     progress=None,
     executor=None,
     on_disk: bool = False,
+    gpus: int = 0,
 ) -> dict:
     """The index stage: train on a seeded sample (here), fill as add tasks on `executor` (default: this process),
     merge; writes directory/index.faiss. `on_disk`: merge an IVF index's lists into index.ivfdata (see fill.py).
+    `gpus`: an IVF index's k-means and list assignment run on that many GPUs (gpu.py), its add tasks here.
     `progress(n)` is called as vectors are added.
 
     Example: build_index(plan_index(10**6, 128, 16 << 30), store, Path("db/index"), 0)["ntotal"] -> 1000000"""
@@ -333,8 +336,10 @@ def build_index(
             _seed_training(faiss, index, seed)
             sample = store.get(train_sample_ids(plan.n, plan.train_size, seed))
             if plan.kmeans == "two-level":
-                train_two_level(faiss, index, sample, seed)
+                train_two_level(faiss, index, sample, seed, gpus)
             else:
+                if gpus:
+                    train_with(faiss, index, gpus)
                 index.train(sample)
         fill.write_index_atomic(faiss, index, trained_path)
     kill_point("index", 0)
@@ -343,7 +348,7 @@ def build_index(
     merge_s = 0.0
     parts = plan.nlist > 0
     if parts:
-        tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress)
+        tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress, gpus)
     else:
         # HNSW (and Flat, below 1,000 vectors): one task, here, with every core. faiss cannot merge two HNSW
         # graphs, so parts would have to be re-added one by one into one graph: the whole cost again.
@@ -362,20 +367,28 @@ def build_index(
         "ntotal": store.n,
         "add_tasks": tasks,
         "merge_s": round(merge_s, 3),
-        "executor": executor.name if parts else "driver",
-        "workers": executor.workers if parts else 1,
+        "executor": executor.name if parts and not gpus else "driver",
+        "workers": executor.workers if parts and not gpus else 1,
+        "gpus": gpus if parts else 0,
     }
 
 
-def _fill_ivf(store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None) -> tuple[int, float]:
-    """Every missing part as an add task on `executor`, then the merge (here); returns (tasks, merge seconds)."""
+def _fill_ivf(
+    store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None, gpus: int = 0
+) -> tuple[int, float]:
+    """Every missing part as an add task on `executor` (with `gpus`, here, one after another: see fill.AddJob),
+    then the merge (here); returns (tasks, merge seconds)."""
     tasks = fill.add_tasks(store.n, store.shard_size)
     todo = [t for t in tasks if not fill.part_path(directory, t[0]).exists()]
     if progress and len(todo) < len(tasks):  # vectors of finished parts count as added
         progress(store.n - sum(hi - lo for _, lo, hi in todo))
-    job = fill.AddJob(os.path.abspath(store.directory), os.path.abspath(directory), store.shard_size)
-    for _task, rows in executor.run(partial(fill.add_range, job), todo, progress) if todo else ():
-        if progress and not executor.streams_progress:
+    job = fill.AddJob(os.path.abspath(store.directory), os.path.abspath(directory), store.shard_size, gpus)
+    if gpus:  # in this process, with all of its threads for the encoding
+        done = ((task, fill.add_range(job, task)) for task in todo)
+    else:
+        done = executor.run(partial(fill.add_range, job), todo, progress) if todo else ()
+    for _task, rows in done:
+        if progress and (gpus or not executor.streams_progress):
             progress(rows)
     t0 = time.perf_counter()
     fill.merge_parts(directory, len(tasks), on_disk)

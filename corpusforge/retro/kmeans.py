@@ -23,28 +23,28 @@ import numpy as np
 from corpusforge.retro.common import through_pre_transform
 
 
-def train_two_level(faiss, index, x: np.ndarray, seed: int) -> None:
+def train_two_level(faiss, index, x: np.ndarray, seed: int, gpus: int = 0) -> None:
     """Train `index` (IVF, or IVF behind an OPQ/PCA pre-transform) on `x`, its coarse centroids from two-level
-    k-means; the rest (PQ codebooks, OPQ rotation) as faiss's own train does it.
+    k-means (on `gpus` GPUs, see gpu.py); the rest (PQ codebooks, OPQ rotation) as faiss's own train does it.
 
     Example: train_two_level(faiss, faiss.index_factory(128, "IVF16384_HNSW32,Flat"), sample, seed=0)"""
     inner, x = through_pre_transform(faiss, index, x, train=True)
     ivf = faiss.extract_index_ivf(inner)
-    centroids = two_level_centroids(faiss, x, ivf.nlist, ivf.cp, seed)
+    centroids = two_level_centroids(faiss, x, ivf.nlist, ivf.cp, seed, gpus)
     ivf.quantizer.train(centroids)
     ivf.quantizer.add(centroids)
     ivf.train(x)  # with a full quantizer faiss skips the coarse k-means and trains the rest (PQ, residuals)
     index.is_trained = True  # an IndexPreTransform around it: its chain and inner index are trained
 
 
-def two_level_centroids(faiss, x: np.ndarray, nlist: int, cp, seed: int) -> np.ndarray:
+def two_level_centroids(faiss, x: np.ndarray, nlist: int, cp, seed: int, gpus: int = 0) -> np.ndarray:
     """(nlist, d) float32 centroids: sqrt(nlist) first-level clusters of `x`, each split by its own k-means into
     centroids in proportion to its size. `cp`: the index's ClusteringParameters (iterations, spherical, points
     per centroid), so both levels cluster as faiss's IVF training would."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, d = x.shape
     first = max(1, min(nlist, math.isqrt(nlist)))
-    coarse = _kmeans(faiss, x, first, cp, seed)
+    coarse = _kmeans(faiss, x, first, cp, seed, gpus)
     _, assign = coarse.index.search(x, 1)
     assign = assign.ravel()
     sizes = np.bincount(assign, minlength=first)
@@ -61,11 +61,11 @@ def two_level_centroids(faiss, x: np.ndarray, nlist: int, cp, seed: int) -> np.n
         if k >= len(members):  # as many centroids as vectors: the vectors themselves
             out.append(np.resize(members, (k, d)))
             continue
-        out.append(_kmeans(faiss, members, k, cp, seed + 1 + c).centroids)
+        out.append(_kmeans(faiss, members, k, cp, seed + 1 + c, gpus).centroids)
     return np.ascontiguousarray(np.vstack(out), dtype=np.float32)
 
 
-def _kmeans(faiss, x: np.ndarray, k: int, cp, seed: int):
+def _kmeans(faiss, x: np.ndarray, k: int, cp, seed: int, gpus: int = 0):
     km = faiss.Kmeans(
         x.shape[1],
         k,
@@ -75,6 +75,7 @@ def _kmeans(faiss, x: np.ndarray, k: int, cp, seed: int):
         min_points_per_centroid=1,
         seed=seed,
         verbose=False,
+        **({"gpu": gpus} if gpus else {}),  # faiss's Kmeans then assigns on a GPU flat index
     )
     km.train(x)
     return km
