@@ -200,7 +200,14 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
     if "index" not in manifest["stages"]:
         ram = index_mod.index_ram()
         plan = index_mod.plan_index(
-            len(table), embedder.dim, budget, config.train_per_list, config.index_key, ram, config.kmeans
+            len(table),
+            embedder.dim,
+            budget,
+            config.train_per_list,
+            config.index_key,
+            ram,
+            config.kmeans,
+            on_disk=config.index_on_disk is True,
         )
         manifest["plan"] = plan.to_dict()
         write_json_atomic(out / MANIFEST, manifest)
@@ -369,7 +376,14 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
 def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
     n = chunks_mod.count_chunks(ds, config.chunk_length)
     plan = index_mod.plan_index(
-        n, dim, budget, config.train_per_list, config.index_key, index_mod.index_ram(), config.kmeans
+        n,
+        dim,
+        budget,
+        config.train_per_list,
+        config.index_key,
+        index_mod.index_ram(),
+        config.kmeans,
+        on_disk=config.index_on_disk is True,
     )
     est = estimates(n, dim, plan, config.k)
     return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)

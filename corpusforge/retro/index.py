@@ -5,7 +5,8 @@ The planner follows autofaiss's published rules (criteo/autofaiss, `get_optimal_
 its graph and raw vectors fit the budget and half the RAM, and N is below 3M (beyond, it filled 4x slower than
 IVF-Flat and served neighbours slower); IVF-Flat whenever it fits both (autofaiss: below 1M only), 4·sqrt(N)
 lists, an HNSW32 coarse quantizer from 8192 lists; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ,
-with the largest PQ code that fits, and the number of lists growing with N: 4·sqrt(N) below 300M, at most
+with the largest PQ code that fits (fast-scan 4-bit codes when the index is searched in RAM), and the number of
+lists growing with N: 4·sqrt(N) below 300M, at most
 autofaiss's steps (2^14 from 1M, 2^17 from 10M), then autofaiss's 2^18.
 Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
 
@@ -58,8 +59,11 @@ HNSW_NEIGHBOURS_EXPONENT = 1.02
 # IVF at 10M chunks, 16384 lists of ~610 (knn-10m-keys-2026-11-22.json, knn-10m-pq-2026-11-22.json): time is the
 # list entries a query scans. Flat (128-d): 196 chunks/s at nprobe 512, 61M entries/s. OPQ32 + PQ32: 265 chunks/s
 # at nprobe 384 with 320 re-ranked candidates, 62M entries/s. Those nprobe reached recall@10 0.95 at 10M.
-SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6}  # entries/s at d=128 (Flat) or 32 bytes a code (PQ), re-rank included
-NPROBE_AT_10M = {"flat": 512, "pq": 384}
+# Fast-scan OPQ64 + PQ64x4fs (32 bytes a code, 4-bit): 735 chunks/s at nprobe 384 with 1,024 candidates, against
+# 295 for PQ32 in the same run (knn-10m-fastscan-tasks-2026-11-22.json): 2.5x the PQ32 rate. (1,017 chunks/s in an
+# earlier run, 3.4x; the machine is shared and the ratio within one run is what is kept.)
+SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6, "fastscan": 62e6 * 735.2 / 294.7}  # entries/s, re-rank included
+NPROBE_AT_10M = {"flat": 512, "pq": 384, "fastscan": 384}
 NLIST_AT_10M = 16384
 # How the nprobe for recall 0.95 grows with the lists, at 10M chunks, OPQ32 + PQ32 trained two-level: 16384 lists
 # crossed 0.95 at nprobe ~378 (0.932 at 256, 0.951 at 384), 65536 lists at ~1,222 (0.939 at 864, 0.952 at 1296),
@@ -182,18 +186,26 @@ def plan_index(
     key: str | None = None,
     ram: int | None = None,
     kmeans: str = "auto",
+    on_disk: bool = False,
 ) -> IndexPlan:
     """Choose an index for `n` vectors of `dim` that fits `max_memory` bytes; `key` forces a factory string.
 
-    `ram`: the most an index of full vectors (Flat, HNSW, IVF-Flat) may take, default `max_memory`; build-knn
-    passes half this machine's RAM. Beyond it such an index would be searched from disk: at 10M chunks under a
-    3 GiB memory limit, IVF16384_HNSW32,Flat on disk served the neighbours stage at 102 chunks/s read list by list
-    (listmajor.py), and a lone query read ~100 MB (0.96 queries/s; knn-10m-ondisk-listmajor-3g-2026-11-22.json),
-    while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at 287 queries/s and 265 chunks/s.
+    `ram`: the most an index of full vectors (Flat, HNSW, IVF-Flat) or of fast-scan codes may take, default
+    `max_memory`; build-knn passes half this machine's RAM. Beyond it an index would be searched from disk: at 10M
+    chunks under a 3 GiB memory limit, IVF16384_HNSW32,Flat on disk served the neighbours stage at 102 chunks/s
+    read list by list (listmajor.py), and a lone query read ~100 MB (0.96 queries/s;
+    knn-10m-ondisk-listmajor-3g-2026-11-22.json), while OPQ32 + PQ32 in RAM (0.43 GB) reached the same recall at
+    287 queries/s and 265 chunks/s.
+
+    Codes: fast-scan PQ (PQ{2m}x4fs, 4-bit codes scanned with SIMD lookups) where the index fits `ram` and
+    `on_disk` (the user's --index-on-disk) is not set, since faiss keeps those lists in RAM only; else PQm, the
+    same bytes a vector. At 10M chunks, in one run, OPQ64_128,IVF16384_HNSW32,PQ64x4fs reached recall@10 0.950
+    at 704 queries/s and served 735 neighbour chunks/s, OPQ32_128,IVF16384_HNSW32,PQ32 0.951 at 212 and 295
+    (knn-10m-fastscan-tasks-2026-11-22.json).
 
     `kmeans`: how IVF lists are trained, 'flat', 'two-level', or 'auto' (two-level from TWO_LEVEL_FROM lists).
 
-    Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ32_128,IVF16384_HNSW32,PQ32'"""
+    Example: plan_index(10**7, 128, 16 << 30, ram=3 << 30).key -> 'OPQ64_128,IVF16384_HNSW32,PQ64x4fs'"""
     if not 39 <= train_per_list <= 256:
         raise RetroError(f"--train-per-list {train_per_list}: faiss wants 39..256 training vectors per list")
     if kmeans not in KMEANS:
@@ -213,7 +225,10 @@ def plan_index(
         return plan_for(f"IVF{flat_lists}{quantizer},Flat")
     nlist = pq_nlist(n)
     for m, d_out in _pq_choices(dim):
-        if _ivf_pq_bytes(n, dim, nlist, m, d_out) <= max_memory:
+        ram_bytes = _ivf_pq_bytes(n, dim, nlist, m, d_out)
+        if ram_bytes <= max_memory:
+            if ram_bytes <= full and not on_disk:
+                return plan_for(f"OPQ{2 * m}_{d_out},IVF{nlist}_HNSW32,PQ{2 * m}x4fs")
             return plan_for(f"OPQ{m}_{d_out},IVF{nlist}_HNSW32,PQ{m}")
     smallest = _ivf_pq_bytes(n, dim, nlist, 4, 16)
     raise RetroError(
@@ -282,12 +297,14 @@ def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     at 16384 and 65536 lists: one end of the range takes it to grow as nlist^0.85 as it did there, the other as the
     same share of the lists (nlist^1). Whether more vectors a list need fewer probes or more is not measured.
 
-    Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.25, 0.38)"""
+    Fast-scan codes take the PQ32 nprobe and its growth, at their own rate.
+
+    Example: neighbour_seconds(plan_index(10**9, 128, 64 << 30)) -> (0.10, 0.15)"""
     if not plan.nlist:
         per = (max(plan.n, 1) / 1e6) ** HNSW_NEIGHBOURS_EXPONENT / RATE_NEIGHBOURS_HNSW_1M
         return per, per
     m = _pq_bytes(plan.key)
-    kind = "pq" if m else "flat"
+    kind = ("fastscan" if is_fast_scan(plan.key) else "pq") if m else "flat"
     rate = SCAN_RATE_IVF[kind] * (32 / m if m else 128 / plan.dim)
     per_list = plan.n / plan.nlist
     ratio = plan.nlist / NLIST_AT_10M
