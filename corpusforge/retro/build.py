@@ -30,6 +30,7 @@ from corpusforge.retro.common import (
     write_json_atomic,
 )
 from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
+from corpusforge.retro.fastscan import is_fast_scan
 from corpusforge.retro.gpu import gpus_for
 from corpusforge.retro.hashed import HashedNgramEmbedder
 from corpusforge.retro.listmajor import search_batch
@@ -198,22 +199,26 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
     table = chunks_mod.ChunkTable.load(out / "chunks")
     store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
     if "index" not in manifest["stages"]:
-        ram = index_mod.index_ram()
-        plan = index_mod.plan_index(
-            len(table),
-            embedder.dim,
-            budget,
-            config.train_per_list,
-            config.index_key,
-            ram,
-            config.kmeans,
-            on_disk=config.index_on_disk is True,
-        )
-        manifest["plan"] = plan.to_dict()
-        write_json_atomic(out / MANIFEST, manifest)
+        if "plan" in manifest and (out / "index" / "trained.faiss").exists():
+            # the index is trained to this plan: planning again on a machine with other RAM, or after the
+            # planner's rules changed, could name another index than the one the add tasks fill
+            plan = index_mod.IndexPlan(**manifest["plan"])
+        else:
+            plan = index_mod.plan_index(
+                len(table),
+                embedder.dim,
+                budget,
+                config.train_per_list,
+                config.index_key,
+                index_mod.index_ram(),
+                config.kmeans,
+                on_disk=config.index_on_disk is True,
+            )
+            manifest["plan"] = plan.to_dict()
+            write_json_atomic(out / MANIFEST, manifest)
         on_disk = config.index_on_disk
-        if on_disk is None:
-            on_disk = not index_mod.fits_in_ram(plan.ram_bytes)
+        if on_disk is None:  # fast-scan lists have no on-disk form: such an index stays in RAM (see plan_index)
+            on_disk = not index_mod.fits_in_ram(plan.ram_bytes) and not is_fast_scan(plan.key)
         gpus = gpus_for(import_faiss(), config.gpu) if plan.nlist else 0
         build = partial(index_mod.build_index, executor=executor, on_disk=on_disk and plan.nlist > 0, gpus=gpus)
         finish("index", build(plan, store, out / "index", config.seed, progress and progress("index", plan.n)))

@@ -3,6 +3,7 @@ resume after a real SIGKILL in every stage, RetroDataset contents, query-knn, an
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +249,28 @@ def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
     assert _files(out) == _files(ref)
     assert not list(out.rglob("*.tmp")) and not (out / "index" / "trained.faiss.tmp").exists()
     shutil.rmtree(out)
+
+
+def test_resume_fills_the_index_that_was_trained_whatever_the_planner_says_now(tmp_path, monkeypatch):
+    """Killed after training, resumed where the planner would choose otherwise (here: a machine with no RAM to
+    spare, where it plans PQ codes on disk in place of fast-scan ones in RAM): the add tasks fill the index that was
+    trained, the manifest still names it, and it stays in RAM, the only place its fast-scan lists can be."""
+    from corpusforge.retro import index as index_mod
+
+    dataset = write_dataset(tmp_path / "corpus", topical_documents(600, seed=5, max_len=300))  # past 1,000 chunks
+    out = tmp_path / "db"
+    opts = ["--shard-size", "1024", "--max-index-memory", "500K", "--recall-queries", "200", "--no-neighbours"]
+    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": "index:0"})
+    assert killed.returncode == -9, killed.stderr
+    trained = json.loads((out / "manifest.json").read_text())["plan"]
+    assert trained["key"] == "OPQ64_128,IVF128_HNSW32,PQ64x4fs"
+    monkeypatch.setattr(index_mod, "index_ram", lambda: 1)
+    assert index_mod.plan_index(trained["n"], 128, 500 << 10, ram=1).key == "OPQ32_128,IVF128_HNSW32,PQ32"
+    config = BuildConfig(dataset, str(out), shard_size=1024, max_index_memory="500K", recall_queries=200)
+    result = build_knn(replace(config, neighbours=False), resume=True)
+    assert result.plan == trained and result.stages["index"]["ntotal"] == trained["n"]
+    assert not (out / "index" / "index.ivfdata").exists()
+    assert json.loads((out / "manifest.json").read_text())["plan"] == trained
 
 
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.slow)])
