@@ -204,16 +204,7 @@ def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, execut
             # planner's rules changed, could name another index than the one the add tasks fill
             plan = index_mod.IndexPlan(**manifest["plan"])
         else:
-            plan = index_mod.plan_index(
-                len(table),
-                embedder.dim,
-                budget,
-                config.train_per_list,
-                config.index_key,
-                index_mod.index_ram(),
-                config.kmeans,
-                on_disk=config.index_on_disk is True,
-            )
+            plan = _plan(config, len(table), embedder.dim, budget)
             manifest["plan"] = plan.to_dict()
             write_json_atomic(out / MANIFEST, manifest)
         on_disk = config.index_on_disk
@@ -378,9 +369,9 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
     )
 
 
-def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
-    n = chunks_mod.count_chunks(ds, config.chunk_length)
-    plan = index_mod.plan_index(
+def _plan(config: BuildConfig, n: int, dim: int, budget: int) -> index_mod.IndexPlan:
+    """The planner's index for `n` vectors under `config` on this machine (half its RAM for in-RAM indexes)."""
+    return index_mod.plan_index(
         n,
         dim,
         budget,
@@ -390,6 +381,11 @@ def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
         config.kmeans,
         on_disk=config.index_on_disk is True,
     )
+
+
+def _dry_run(config: BuildConfig, ds, dim: int, budget: int) -> BuildResult:
+    n = chunks_mod.count_chunks(ds, config.chunk_length)
+    plan = _plan(config, n, dim, budget)
     est = estimates(n, dim, plan, config.k)
     return BuildResult(config.output, plan.to_dict(), dry_run=True, estimates=est)
 

@@ -6,8 +6,8 @@ its graph and raw vectors fit the budget and half the RAM, and N is below 3M (be
 IVF-Flat and served neighbours slower); IVF-Flat whenever it fits both (autofaiss: below 1M only), 4·sqrt(N)
 lists, an HNSW32 coarse quantizer from 8192 lists; beyond that OPQ + IVF with an HNSW32 coarse quantizer + PQ,
 with the largest PQ code that fits (fast-scan 4-bit codes when the index is searched in RAM), and the number of
-lists growing with N: 4·sqrt(N) below 300M, at most
-autofaiss's steps (2^14 from 1M, 2^17 from 10M), then autofaiss's 2^18.
+lists growing with N: 4·sqrt(N) below 300M, at most autofaiss's steps (2^14 from 1M, 2^17 from 10M), then
+autofaiss's 2^18.
 Training takes a seeded sample of `train_per_list` (39..256, faiss's own bounds) vectors per list.
 
 Filling: the driver trains and saves the empty index (`index/trained.faiss`); an IVF index is then filled by
