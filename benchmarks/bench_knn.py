@@ -28,6 +28,9 @@ in a memory cgroup of its own (root): an index larger than that is larger than t
 --keep-index keeps each key's index. --ondisk-search KEY [--memory-limit 3G] [--neighbour-queries 16384]: only
 the cold search of the lists such a run merged on disk and kept (db<chunks>-KEY): faiss's query-by-query search
 (the anchor) against the list-major batch search, then the neighbours stage's search, with bytes read per query.
+--rerank-cold KEY --memory-limit 1500M: the neighbours stage's search of such a kept index (in RAM) from a cold
+page cache, under a limit below the embeddings' size: the re-rank gathers its candidates from disk; then warm,
+and cold with MADV_RANDOM on the embedding shards. Without --memory-limit, warm is the whole page cache.
 
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
@@ -331,6 +334,50 @@ def memory_limit_report(group: Path) -> dict:
     return {"cgroup": str(group), "limit_bytes": int(limit), "peak_bytes": int(peak)}
 
 
+def rerank_cold(db: Path, key: str, queries: int) -> dict:
+    """The neighbours stage's search (K=2, exclusion, exact re-rank of the tuned candidates) of an index kept in RAM
+    (a --index-keys --keep-index run: db<chunks>-<key>), from a cold page cache, so that the re-rank gathers its
+    candidates' embeddings from disk; run under a --memory-limit below the embeddings' size, it is what a database
+    whose embeddings outgrow the page cache pays. Passes: cold (the shards mapped as numpy maps them: the kernel
+    reads a window around each faulted page), warm (again, without dropping the cache: what the limit let it keep),
+    and cold with MADV_RANDOM on the shards (each fault reads its page alone). Bytes read per query from
+    /proc/self/io."""
+    import mmap
+
+    from corpusforge.retro.embed import EmbeddingStore
+    from corpusforge.retro.index import load_index
+    from corpusforge.retro.neighbours import search
+
+    target = key_db(db, key)
+    manifest = json.loads((target / "manifest.json").read_text())
+    table = ChunkTable.load(target / "chunks")
+    params, width = manifest["search_params"], manifest["candidates"]
+    ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
+    index = load_index(target / "index" / "index.faiss", params)
+    out, found = {"key": key, "search_params": params, "candidates": width}, {}
+    for name, random_advice, drop in (("cold", False, True), ("warm", False, False), ("cold_madv_random", True, True)):
+        store = EmbeddingStore(target / "embeddings", len(table), manifest["plan"]["dim"], 1 << 20)
+        out["embeddings_bytes"] = sum(a.nbytes for a in store.shards)
+        vectors, doc = store.get(ids), np.asarray(table.doc[ids])  # the queries' own rows, before any drop
+        for shard in store.shards if random_advice else ():
+            shard._mmap.madvise(mmap.MADV_RANDOM)
+        if drop:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        read0, t0 = _read_bytes(), time.perf_counter()
+        found[name] = search(index, store, table.doc, vectors, doc, 2, width, params)[0]
+        seconds = time.perf_counter() - t0
+        out[name] = {
+            "queries": queries,
+            "seconds": round(seconds, 1),
+            "chunks_per_s": round(queries / seconds, 1),
+            "read_mb_per_query": round((_read_bytes() - read0) / queries / 1e6, 3),
+        }
+        print(f"{name:<17} {out[name]['chunks_per_s']:>8} chunks/s  {out[name]['read_mb_per_query']} MB/query")
+    out["same_neighbours"] = bool(all(np.array_equal(found["cold"], f) for f in found.values()))
+    return out
+
+
 def key_db(db: Path, key: str) -> Path:
     """The database --index-keys builds for `key` beside `db`: db<chunks>-<key with ',' as '-'>."""
     return db.with_name(f"{db.name}-{key.replace(',', '-')}")
@@ -490,6 +537,7 @@ def main() -> None:
     ap.add_argument("--keep-index", action="store_true", help="with --index-keys: keep each key's index")
     ap.add_argument("--kmeans", nargs="+", default=["auto"], help="with --index-keys: each key trained each way")
     ap.add_argument("--ondisk-search", default=None, help="KEY: only the cold search of db<chunks>-KEY's lists")
+    ap.add_argument("--rerank-cold", default=None, help="KEY: only the re-rank from a cold cache, db<chunks>-KEY")
     ap.add_argument("--memory-limit", default=None, help="e.g. 3G: run in a memory cgroup of this size (root)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -497,6 +545,7 @@ def main() -> None:
     group = enter_memory_limit(args.memory_limit) if args.memory_limit else None
     day = dt.date.today().isoformat()
     kind = "knn-add" if args.add_workers else "knn-keys" if args.index_keys else "knn"
+    kind = "knn-rerank-cold" if args.rerank_cold else kind  # (its own name: it writes no knn-keys fields)
     args.out = args.out or str(HERE / "results" / f"{kind}-{day}.json")
 
     work = Path(args.work)
@@ -536,6 +585,10 @@ def main() -> None:
     if args.ondisk_search:
         report = {"chunks": chunks, "ondisk": ondisk_search(db, args.ondisk_search, args.neighbour_queries)}
         print(json.dumps(report["ondisk"]))
+        _write_report(report, args.out, group)
+        return
+    if args.rerank_cold:
+        report = {"chunks": chunks, "rerank_cold": rerank_cold(db, args.rerank_cold, args.neighbour_queries)}
         _write_report(report, args.out, group)
         return
     if args.index_keys:
