@@ -31,6 +31,8 @@ the cold search of the lists such a run merged on disk and kept (db<chunks>-KEY)
 --rerank-cold KEY --memory-limit 1500M: the neighbours stage's search of such a kept index (in RAM) from a cold
 page cache, under a limit below the embeddings' size: the re-rank gathers its candidates from disk; then warm,
 and cold with MADV_RANDOM on the embedding shards. Without --memory-limit, warm is the whole page cache.
+--retune KEY: only the recall tuning again on such a kept index, then the neighbours rate at the old and the new
+setting (alternating).
 
 --anchor: the embedder against its anchor in the same run, v1's direct 128-d random projection of the same
 hashed features, each in an HNSW32 index: recall@10 and QPS (medians of alternating repeats) at an efSearch
@@ -378,6 +380,42 @@ def rerank_cold(db: Path, key: str, queries: int) -> dict:
     return out
 
 
+def retune(db: Path, key: str, queries: int) -> dict:
+    """The recall tuning again on an index kept by --index-keys --keep-index (db<chunks>-<key>), without training
+    and filling it again; then the sampled neighbours rate at the setting it tuned before (the anchor) and at the
+    new one, alternating, anchor first and last."""
+    from types import SimpleNamespace
+
+    target = key_db(db, key)
+    path = target / "manifest.json"
+    manifest = json.loads(path.read_text())
+    before = manifest["stages"].pop("recall")
+    for field in ("search_params", "candidates"):
+        manifest.pop(field, None)
+    path.write_text(json.dumps(manifest, indent=1))
+    cfg = manifest["config"]
+    config = BuildConfig(
+        prefix=cfg["prefix"],
+        output=str(target),
+        index_key=key,
+        neighbours=False,
+        index_on_disk=cfg["index_on_disk"],
+        kmeans=cfg["kmeans"],
+    )
+    result = build_knn(config, resume=True)
+    old = SimpleNamespace(plan=result.plan, recall=before)
+    rates = {"before": [], "after": []}
+    for name, res in (("before", old), ("after", result), ("before", old), ("after", result)):
+        rates[name].append(neighbours_rate(target, res, queries)["chunks_per_s"])
+    out = {"key": key, "before": before, "after": result.recall, "neighbours_chunks_per_s": rates}
+    for name, rec in (("before", before), ("after", result.recall)):
+        print(
+            f"{name:<7} recall@10 {rec['recall@10']:.4f} at {rec['search_params']}, {rec['candidates']} candidates: "
+            f"{rec['qps']:,} QPS; neighbours {rates[name]} chunks/s"
+        )
+    return out
+
+
 def key_db(db: Path, key: str) -> Path:
     """The database --index-keys builds for `key` beside `db`: db<chunks>-<key with ',' as '-'>."""
     return db.with_name(f"{db.name}-{key.replace(',', '-')}")
@@ -538,6 +576,7 @@ def main() -> None:
     ap.add_argument("--kmeans", nargs="+", default=["auto"], help="with --index-keys: each key trained each way")
     ap.add_argument("--ondisk-search", default=None, help="KEY: only the cold search of db<chunks>-KEY's lists")
     ap.add_argument("--rerank-cold", default=None, help="KEY: only the re-rank from a cold cache, db<chunks>-KEY")
+    ap.add_argument("--retune", default=None, help="KEY: only the recall tuning again on db<chunks>-KEY's index")
     ap.add_argument("--memory-limit", default=None, help="e.g. 3G: run in a memory cgroup of this size (root)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -545,7 +584,7 @@ def main() -> None:
     group = enter_memory_limit(args.memory_limit) if args.memory_limit else None
     day = dt.date.today().isoformat()
     kind = "knn-add" if args.add_workers else "knn-keys" if args.index_keys else "knn"
-    kind = "knn-rerank-cold" if args.rerank_cold else kind  # (its own name: it writes no knn-keys fields)
+    kind = "knn-rerank-cold" if args.rerank_cold else "knn-retune" if args.retune else kind
     args.out = args.out or str(HERE / "results" / f"{kind}-{day}.json")
 
     work = Path(args.work)
@@ -585,6 +624,10 @@ def main() -> None:
     if args.ondisk_search:
         report = {"chunks": chunks, "ondisk": ondisk_search(db, args.ondisk_search, args.neighbour_queries)}
         print(json.dumps(report["ondisk"]))
+        _write_report(report, args.out, group)
+        return
+    if args.retune:
+        report = {"chunks": chunks, "retune": retune(db, args.retune, args.neighbour_queries)}
         _write_report(report, args.out, group)
         return
     if args.rerank_cold:

@@ -296,7 +296,7 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
         return np.einsum("qkd,qd->qk", store.get(ids), queries)
 
     widths = index_mod.candidate_steps(config.candidates) if index_mod.tunes_candidates(plan.key) else None
-    params, tried = plan.search_params, []
+    params, tried, best = plan.search_params, [], None
     while True:
         width = config.candidates
         if widths:  # the fewest candidates that reach the target at these params, else the most
@@ -310,10 +310,22 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
         tried.append({"search_params": params, "candidates": width, "recall": round(r, 4), "qps": round(qps)})
         if progress:
             progress(1)
+        if r >= config.recall_target:
+            # with candidates tuned, a wider nprobe may reach the target with fewer of them, for less: keep the
+            # cheapest setting (index.query_cost) and go on while a wider one could still cost less
+            cost = index_mod.query_cost(plan, params, width) if widths else 0.0
+            if best is None or cost < best[0]:
+                best = (cost, len(tried) - 1)
         nxt = index_mod.escalate(params)
-        if r >= config.recall_target or nxt is None:
+        if nxt is None or index_mod.probes_every_list(plan, params):
+            break
+        if best is not None and (not widths or index_mod.query_cost(plan, nxt, widths[0]) >= best[0]):
             break
         params = nxt
+    if best is not None:
+        chosen = tried[best[1]]
+        params, width, r = chosen["search_params"], chosen["candidates"], chosen["recall"]
+        index_mod.set_search_params(index, params)  # the last step tried may have been a wider one
     raw = _recall_without_rerank(index, table.doc, queries, qdoc, k, exact, scores)
     return {
         f"recall@{k}": round(r, 4),
@@ -322,7 +334,7 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
         "held_out": held_out,
         "search_params": params,
         "candidates": width,
-        "qps": tried[-1]["qps"],
+        "qps": tried[best[1] if best is not None else -1]["qps"],
         "tried": tried,
         "target": config.recall_target,
         "seconds": round(time.perf_counter() - t0, 3),

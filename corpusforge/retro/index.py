@@ -65,6 +65,13 @@ HNSW_NEIGHBOURS_EXPONENT = 1.02
 SCAN_RATE_IVF = {"flat": 61e6, "pq": 62e6, "fastscan": 62e6 * 735.2 / 294.7}  # entries/s, re-rank included
 NPROBE_AT_10M = {"flat": 512, "pq": 384, "fastscan": 384}
 NLIST_AT_10M = 16384
+# What one query costs at (nprobe, candidates), to choose among the settings that reach the recall target. At 10M
+# chunks, on the kept OPQ64_128,IVF16384_HNSW32,PQ64x4fs index (1,000 queries, 2 cores), each probed list of ~610
+# codes cost 1.08 us and each re-ranked candidate 0.90 us: 1,732 QPS at nprobe 384 with 320 candidates, 825 with
+# 1,024, 1,399 at nprobe 512 with 320. The recall tuning had stopped at nprobe 384 with 1,024 candidates (recall
+# 0.9504, 825 QPS) where nprobe 512 with 480 gave 0.9504 at 1,166. 8-bit PQ scans 2.5x slower (SCAN_RATE_IVF).
+SCAN_ONLY_RATE = {"fastscan": 610 / 1.08e-6, "pq": 610 / 1.08e-6 / 2.5}  # code entries/s at 32 bytes a code
+RERANK_S_PER_DIM = 0.90e-6 / 128  # a candidate's gather and exact score, per dimension
 # How the nprobe for recall 0.95 grows with the lists, at 10M chunks, OPQ32 + PQ32 trained two-level: 16384 lists
 # crossed 0.95 at nprobe ~378 (0.932 at 256, 0.951 at 384), 65536 lists at ~1,222 (0.939 at 864, 0.952 at 1296),
 # log-interpolated: 3.2x the nprobe for 4x the lists, nlist^0.85 (knn-10m-pq-two-level-2026-11-22.json,
@@ -303,15 +310,45 @@ def neighbour_seconds(plan: IndexPlan) -> tuple[float, float]:
     if not plan.nlist:
         per = (max(plan.n, 1) / 1e6) ** HNSW_NEIGHBOURS_EXPONENT / RATE_NEIGHBOURS_HNSW_1M
         return per, per
-    m = _pq_bytes(plan.key)
-    kind = ("fastscan" if is_fast_scan(plan.key) else "pq") if m else "flat"
-    rate = SCAN_RATE_IVF[kind] * (32 / m if m else 128 / plan.dim)
+    kind, scale = _scan_kind(plan)
+    rate = SCAN_RATE_IVF[kind] * scale
     per_list = plan.n / plan.nlist
     ratio = plan.nlist / NLIST_AT_10M
     fitted = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] * ratio**NPROBE_EXPONENT))
     same_share = min(plan.nlist, max(1.0, NPROBE_AT_10M[kind] * ratio))
     low, high = sorted((fitted * per_list / rate, same_share * per_list / rate))
     return low, high
+
+
+def _scan_kind(plan: IndexPlan) -> tuple[str, float]:
+    """('fastscan' | 'pq' | 'flat', how much faster than the measured 32-byte code or 128-d vector it scans)."""
+    m = _pq_bytes(plan.key)
+    if not m:
+        return "flat", 128 / plan.dim
+    return ("fastscan" if is_fast_scan(plan.key) else "pq"), 32 / m
+
+
+def query_cost(plan: IndexPlan, params: str, candidates: int) -> float:
+    """Modeled seconds of one query of an IVF index of compressed codes on 2 cores: its probed lists' codes and its
+    re-ranked candidates (SCAN_ONLY_RATE, RERANK_S_PER_DIM). The recall tuning takes the cheapest setting that
+    reaches the target by this model, not by timing, so that the same build always chooses the same one.
+
+    Example: query_cost(plan, "nprobe=512", 480) < query_cost(plan, "nprobe=384", 1024) at 10M chunks"""
+    kind, scale = _scan_kind(plan)
+    nprobe = min(plan.nlist, _nprobe(params))
+    scan = nprobe * plan.n / plan.nlist / (SCAN_ONLY_RATE.get(kind, SCAN_ONLY_RATE["pq"]) * scale)
+    return scan + candidates * plan.dim * RERANK_S_PER_DIM
+
+
+def _nprobe(params: str) -> int:
+    return int(dict(p.split("=") for p in params.split(",")).get("nprobe", 0))
+
+
+def probes_every_list(plan: IndexPlan, params: str) -> bool:
+    """Whether `params` already search every list of the plan's IVF index: a wider nprobe changes nothing.
+
+    Example: probes_every_list(plan_index(10**4, 64, 1 << 30, key="IVF64,Flat"), "nprobe=64") -> True"""
+    return plan.nlist > 0 and _nprobe(params) >= plan.nlist
 
 
 def train_sample_ids(n: int, size: int, seed: int) -> np.ndarray:

@@ -122,6 +122,36 @@ def test_pq_recall_tuning_raises_the_candidates_and_the_stage_uses_them(dataset,
     assert recall_at(few, exact, score) < 0.95  # nprobe is already every list: only the candidates could help
 
 
+def test_recall_tuning_keeps_the_cheapest_setting_that_reaches_the_target(tmp_path):
+    """With re-ranked candidates tuned, the tuning goes on past the first nprobe that reaches the target while a
+    wider one could still cost less (index.query_cost), keeps the cheapest, and stops once every list is probed;
+    the neighbours stage then searches with what it kept."""
+    from corpusforge.retro.index import IndexPlan, candidate_steps, escalate, probes_every_list, query_cost
+
+    dataset = write_dataset(tmp_path / "corpus", topical_documents(600, seed=5, max_len=300))
+    config = BuildConfig(
+        dataset, str(tmp_path / "db"), index_key="IVF128,PQ4x4", recall_target=0.99, recall_queries=200
+    )
+    result = build_knn(config)
+    plan, rec = IndexPlan(**result.plan), result.recall
+    tried = rec["tried"]
+    reached = [t for t in tried if t["recall"] >= 0.99]
+    assert len(tried) > 1 and reached
+    cost = {id(t): query_cost(plan, t["search_params"], t["candidates"]) for t in tried}
+    cheapest = min(reached, key=lambda t: cost[id(t)])
+    assert (rec["search_params"], rec["candidates"]) == (cheapest["search_params"], cheapest["candidates"])
+    assert rec["qps"] == cheapest["qps"] and rec["recall@10"] == cheapest["recall"]
+    first = candidate_steps(40)[0]
+    for i, t in enumerate(tried[1:], 1):  # each step past the first hit could have cost less than the best so far
+        before = [u for u in tried[:i] if u["recall"] >= 0.99]
+        if before:
+            assert query_cost(plan, t["search_params"], first) < min(cost[id(u)] for u in before)
+    last = tried[-1]["search_params"]
+    assert probes_every_list(plan, last) or query_cost(plan, escalate(last), first) >= cost[id(cheapest)]
+    manifest = json.loads((tmp_path / "db" / "manifest.json").read_text())
+    assert (manifest["search_params"], manifest["candidates"]) == (rec["search_params"], rec["candidates"])
+
+
 def test_missing_neighbours_are_minus_one(tmp_path):
     prefix = write_dataset(tmp_path / "two", [np.arange(200), np.arange(1000, 1100)])
     build_knn(BuildConfig(prefix=prefix, output=str(tmp_path / "db"), k=3, recall_queries=5))
