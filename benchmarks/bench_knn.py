@@ -56,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -364,17 +365,10 @@ def rerank_cold(db: Path, key: str, queries: int) -> dict:
         for shard in store.shards if random_advice else ():
             shard._mmap.madvise(mmap.MADV_RANDOM)
         if drop:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("1")
-        read0, t0 = _read_bytes(), time.perf_counter()
-        found[name] = search(index, store, table.doc, vectors, doc, 2, width, params)[0]
-        seconds = time.perf_counter() - t0
-        out[name] = {
-            "queries": queries,
-            "seconds": round(seconds, 1),
-            "chunks_per_s": round(queries / seconds, 1),
-            "read_mb_per_query": round((_read_bytes() - read0) / queries / 1e6, 3),
-        }
+            _drop_caches()
+        run = partial(search, index, store, table.doc, vectors, doc, 2, width, params)
+        (found[name], _), out[name] = _timed_reads(run, queries, "chunks_per_s")
+        del run, store  # unmapped, or the next pass's drop_caches would leave the pages they map
         print(f"{name:<17} {out[name]['chunks_per_s']:>8} chunks/s  {out[name]['read_mb_per_query']} MB/query")
     out["same_neighbours"] = bool(all(np.array_equal(found["cold"], f) for f in found.values()))
     return out
@@ -448,21 +442,27 @@ def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict
     }
     out, found = {"key": key, "lists_bytes": (target / "index" / "index.ivfdata").stat().st_size}, {}
     for name, (n, run) in runs.items():
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1")
-        read0, t0 = _read_bytes(), time.perf_counter()
-        found[name] = run()
-        seconds = time.perf_counter() - t0
-        out[name] = {
-            "queries": n,
-            "seconds": round(seconds, 1),
-            "queries_per_s": round(n / seconds, 2),
-            "read_mb_per_query": round((_read_bytes() - read0) / n / 1e6, 2),
-        }
+        _drop_caches()
+        found[name], out[name] = _timed_reads(run, n, "queries_per_s")
         print(f"{name:<18} {n:>6} queries  {out[name]['queries_per_s']:>8} q/s  {out[name]['read_mb_per_query']} MB/q")
     out["same_candidates"] = bool(np.array_equal(found["faiss_per_query"], found["list_major"][:per_query]))
     out["search_params"] = params
     return out
+
+
+def _drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1")
+
+
+def _timed_reads(run, n: int, rate: str) -> tuple[object, dict]:
+    """run()'s result, and its time and the bytes this process read for `n` queries: {queries, seconds, `rate`,
+    read_mb_per_query}."""
+    read0, t0 = _read_bytes(), time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - t0
+    stats = {"queries": n, "seconds": round(seconds, 1), rate: round(n / seconds, 2)}
+    return result, {**stats, "read_mb_per_query": round((_read_bytes() - read0) / n / 1e6, 3)}
 
 
 def _read_bytes() -> int:
