@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from corpusforge.retro.common import RetroError, through_pre_transform
+from corpusforge.retro.common import RetroError, import_faiss, through_pre_transform
 
 GPU_CHOICES = ("auto", "on", "off")
 
@@ -67,8 +67,6 @@ def centroid_index(faiss, index, gpus: int):
 def cached_centroid_index(path: str, mtime_ns: int, gpus: int):
     """centroid_index of the trained index at `path`, once per process and file version: the add tasks of one
     build run one after another in the driver, and each would otherwise copy the centroids to the GPUs again."""
-    from corpusforge.retro.common import import_faiss
-
     faiss = import_faiss()
     return centroid_index(faiss, faiss.read_index(path), gpus)
 

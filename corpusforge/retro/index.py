@@ -340,8 +340,19 @@ def query_cost(plan: IndexPlan, params: str, candidates: int) -> float:
     return scan + candidates * plan.dim * RERANK_S_PER_DIM
 
 
+def parse_params(params: str) -> dict[str, str]:
+    """A faiss ParameterSpace string as {name: value}, in its order; format_params writes it back.
+
+    Example: parse_params("nprobe=64,quantizer_efSearch=128") -> {"nprobe": "64", "quantizer_efSearch": "128"}"""
+    return dict(p.split("=") for p in params.split(",")) if params else {}
+
+
+def format_params(parts: dict[str, object]) -> str:
+    return ",".join(f"{k}={v}" for k, v in parts.items())
+
+
 def _nprobe(params: str) -> int:
-    return int(dict(p.split("=") for p in params.split(",")).get("nprobe", 0))
+    return int(parse_params(params).get("nprobe", 0))
 
 
 def probes_every_list(plan: IndexPlan, params: str) -> bool:
@@ -539,14 +550,14 @@ def escalate(params: str) -> str | None:
     Example: escalate("efSearch=64") -> "efSearch=96"; escalate("nprobe=8") -> "nprobe=16" """
     if not params:
         return None
-    parts = dict(p.split("=") for p in params.split(","))
+    parts = parse_params(params)
     key = "nprobe" if "nprobe" in parts else "efSearch"
     if int(parts[key]) >= 4096:
         return None
     parts[key] = str(min(4096, max(int(parts[key]) + 8, round(int(parts[key]) * 1.5 / 8) * 8)))
     if "quantizer_efSearch" in parts:
         parts["quantizer_efSearch"] = str(max(int(parts["quantizer_efSearch"]), int(parts[key])))
-    return ",".join(f"{k}={v}" for k, v in parts.items())
+    return format_params(parts)
 
 
 MAX_TUNED_CANDIDATES = 1024

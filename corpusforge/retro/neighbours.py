@@ -40,7 +40,7 @@ from corpusforge.retro.common import (
     save_npy_atomic,
 )
 from corpusforge.retro.embed import Embedder, EmbeddingStore
-from corpusforge.retro.index import set_search_params
+from corpusforge.retro.index import format_params, parse_params, set_search_params
 from corpusforge.retro.listmajor import search_batch
 
 MAGIC = b"CFRKNN\x00\x01"
@@ -88,9 +88,9 @@ def search(
 def _set_width(index, params: str, width: int) -> None:
     """HNSW returns at most efSearch hits: keep efSearch >= the candidates asked for."""
     if "efSearch" in params and not params.startswith("nprobe"):
-        parts = dict(p.split("=") for p in params.split(","))
+        parts = parse_params(params)
         parts["efSearch"] = str(max(int(parts["efSearch"]), width))
-        params = ",".join(f"{a}={b}" for a, b in parts.items())
+        params = format_params(parts)
     set_search_params(index, params)
 
 
