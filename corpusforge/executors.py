@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from corpusforge import _ray_pool
+from corpusforge.errors import CorpusforgeError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,7 +64,7 @@ class TaskContext:
 TaskFn = Callable[[T, TaskContext], R]
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(CorpusforgeError, RuntimeError):
     """Tasks that cannot be run (a missing extra, workers that keep dying); the message is one line with the fix."""
 
 

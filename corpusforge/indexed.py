@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from corpusforge.errors import CorpusforgeError
+
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
 VERSION = 1
@@ -59,7 +61,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 _CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 
 
-class IndexedFormatError(ValueError):
+class IndexedFormatError(CorpusforgeError, ValueError):
     """An .idx/.bin pair that is not a valid Megatron MMap indexed dataset."""
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed, sources
+from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import Executor, TaskContext, make_executor
 from corpusforge.tokenizers import Tokenizer, load_tokenizer
 
@@ -143,7 +144,7 @@ class Progress:
     planned_tasks: int = 0
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(CorpusforgeError, RuntimeError):
     """A run that cannot go on; the message is one line naming the file and the fix."""
 
 

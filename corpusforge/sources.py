@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from corpusforge.errors import CorpusforgeError
 from corpusforge.jsonl_field import extract_field
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -51,11 +52,11 @@ BLOCK_BYTES = 4 << 20  # one read and one tokenizer batch; large enough to amort
 BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "not_string", "empty")
 
 
-class InputError(ValueError):
+class InputError(CorpusforgeError, ValueError):
     """An input that cannot be used at all (missing, unsupported, wrong schema); one line, with the fix."""
 
 
-class BadRecordError(ValueError):
+class BadRecordError(CorpusforgeError, ValueError):
     """A bad record met with `--on-bad-line fail`; the message is `file:line: what is wrong (hint)`."""
 
 

@@ -71,6 +71,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from corpusforge import _flat_rows
+from corpusforge.errors import CorpusforgeError
 from corpusforge.jsonl_field import SEPARATOR, JoinedTexts
 
 __all__ = ["DEFAULT_TOKENIZER", "ENGINES", "NAMED_ENCODINGS", "Tokenizer", "TokenizerError", "load_tokenizer"]
@@ -79,7 +80,7 @@ ENGINES = ("auto", "gigatoken", "reference")
 _FINGERPRINT_VERSION = 1
 
 
-class TokenizerError(ValueError):
+class TokenizerError(CorpusforgeError, ValueError):
     """A tokenizer could not be loaded or used; the message is one line saying what failed and the fix."""
 
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from corpusforge.errors import CorpusforgeError
 from corpusforge.indexed import IndexedDataset, fsync_dir, fsync_path
 
 _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -58,7 +59,7 @@ _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakr
 CACHE_FORMAT = 1
 
 
-class CacheMismatchError(RuntimeError):
+class CacheMismatchError(CorpusforgeError, RuntimeError):
     """A cache entry whose recorded description differs from the configuration asking for it."""
 
 

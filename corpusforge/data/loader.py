@@ -27,11 +27,12 @@ from typing import Any
 from corpusforge.data.batch import assemble
 from corpusforge.data.cache import describe_differences, description_hash
 from corpusforge.data.gpt_dataset import prefetch_upcoming
+from corpusforge.errors import CorpusforgeError
 
 STATE_VERSION = 1
 
 
-class LoaderStateError(ValueError):
+class LoaderStateError(CorpusforgeError, ValueError):
     """A loader state that belongs to other data or another configuration."""
 
 

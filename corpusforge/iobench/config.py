@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from corpusforge.errors import CorpusforgeError
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
@@ -12,7 +14,7 @@ PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "rep
 DEFAULT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint", "replay")
 
 
-class BenchConfigError(ValueError):
+class BenchConfigError(CorpusforgeError, ValueError):
     """A configuration that cannot run; the message is the one line a person needs."""
 
 

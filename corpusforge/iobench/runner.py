@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from corpusforge.errors import CorpusforgeError
 from corpusforge.iobench import guard, patterns
 from corpusforge.iobench.config import BenchConfig, human_bytes, is_url
 from corpusforge.iobench.ranks import Ranks
@@ -31,7 +32,7 @@ from corpusforge.iobench.stats import CaseResult, aggregate
 Events = Callable[[str], None] | None
 
 
-class BenchError(RuntimeError):
+class BenchError(CorpusforgeError, RuntimeError):
     """The run cannot start or cannot go on; the message is one line naming the path and the fix."""
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed
+from corpusforge.errors import CorpusforgeError
 
 
-class RetroError(ValueError):
+class RetroError(CorpusforgeError, ValueError):
     """Bad input or configuration of a retrieval build; the message is the one line a person needs."""
 
 

@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from corpusforge.errors import CorpusforgeError
+
 PREFIX, TMP = "step_", ".tmp-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CorpusforgeError, ValueError):
     """A checkpoint that cannot be resumed here: another model shape, missing files."""
 
 

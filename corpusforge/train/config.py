@@ -35,10 +35,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from corpusforge.errors import CorpusforgeError
 from corpusforge.storage import StorageConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(CorpusforgeError, ValueError):
     """A configuration that cannot run: unknown key, wrong type, or values that do not fit together."""
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from corpusforge.errors import CorpusforgeError
 from corpusforge.train.config import ConfigError, TrainConfig
 
 
-class DataError(ValueError):
+class DataError(CorpusforgeError, ValueError):
     """Data that cannot feed this run: missing files, too few tokens, token ids beyond the vocabulary."""
 
 
