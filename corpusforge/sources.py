@@ -32,6 +32,7 @@ import gzip
 import io
 import mmap
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, first_line
 from corpusforge.jsonl_field import extract_field
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -79,8 +80,30 @@ def input_format(path: Path) -> str | None:
 
 def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     """Resolve files, directories and globs into the sorted list of readable inputs; refuse what is not there.
+    A file named twice is read once (see `find_inputs`, which also says which were named twice).
 
     Example: expand_inputs(["data/*.jsonl.zst", "extra.parquet"])
+    """
+    return find_inputs(inputs).files
+
+
+@dataclass(frozen=True)
+class FoundInputs:
+    """The inputs to read, in order, and the names that pointed again at one of them (and were dropped)."""
+
+    files: list[Path]
+    repeated: list[tuple[Path, Path]] = field(default_factory=list)
+    """(the name given again, the earlier name of the same file): the same path twice, a symlink or hard link to
+    it, or a file also inside a directory or glob given before."""
+
+
+def find_inputs(inputs: Sequence[str | os.PathLike]) -> FoundInputs:
+    """`expand_inputs`, saying which files were named more than once.
+
+    Such a file is read once: tokenizing a file twice doubles its documents in the dataset, which is almost never
+    meant (an overlapping glob, a directory and a file in it); a corpus repeated on purpose is a blend weight.
+
+    Example: find_inputs(["data/", "data/a.jsonl"]).repeated -> [(Path("data/a.jsonl"), Path("data/a.jsonl"))]
     """
     found: list[Path] = []
     for item in inputs:
@@ -93,11 +116,19 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
         else:
             paths = _expand_path(Path(text))
         found.extend(paths)
-    seen: set[Path] = set()
-    unique = [p for p in found if not (p.resolve() in seen or seen.add(p.resolve()))]
+    first: dict[tuple[int, int], Path] = {}  # the file's identity (a symlink or hard link is the same file)
+    unique, repeated = [], []
+    for path in found:
+        st = path.stat()
+        key = (st.st_dev, st.st_ino)
+        if key in first:
+            repeated.append((path, first[key]))
+        else:
+            first[key] = path
+            unique.append(path)
     if not unique:
         raise InputError("no input files given")
-    return unique
+    return FoundInputs(unique, repeated)
 
 
 def _expand_path(path: Path) -> list[Path]:
@@ -191,9 +222,16 @@ def _line_aligned_ranges(path: Path, task_bytes: int, lo: int = 0, hi: int | Non
 
 
 def _parquet_ranges(path: Path, task_bytes: int) -> list[tuple[int, int, int, int]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except pa.ArrowInvalid as e:  # the one place a parquet file is first opened: wrong magic, a cut footer
+        raise InputError(
+            f"{path}: not a parquet file, or a damaged one (pyarrow: {first_line(e)}); "
+            "re-download it, or name it after the format it holds"
+        ) from None
     ranges, first_group, first_row, rows, nbytes = [], 0, 0, 0, 0
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
@@ -261,13 +299,101 @@ def _open_stream(task: Task) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
     """(the decompressed stream, the raw file under it, whose position measures progress)."""
     raw = open(task.path, "rb")  # noqa: SIM115 - closed by the caller
     if task.format == "jsonl.gz":
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+        return _GzipStream(raw, task.path), raw
     if task.format == "jsonl.zst":
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw
+        return _ZstdStream(raw, task.path), raw
     raw.seek(task.start)
     return raw, raw
+
+
+def _truncated(path: str, kind: str, where: str) -> InputError:
+    return InputError(
+        f"{path}: truncated {kind} stream (the file ends inside {where}), so the rest of its records are missing; "
+        "re-download or re-compress the file"
+    )
+
+
+def _corrupt(path: str, kind: str, error: Exception) -> InputError:
+    return InputError(f"{path}: corrupt {kind} stream ({first_line(error)}); re-download or re-compress the file")
+
+
+class _ZstdStream(io.RawIOBase):
+    """Every frame of a .zst file, in turn, decompressed; an error if the file ends inside a frame.
+
+    zstandard's stream_reader returns what it has and stops when the file ends mid-frame, as if the file were
+    complete (the issue-21 case: half a corpus, exit 0). Here each frame has its own decompressor, so the state at
+    the end of the file is known: between frames is a complete file, inside one (header or data) is truncated.
+    A file cut exactly between two frames is a valid shorter .zst: no reader can tell it from a complete one
+    (`zstd -t` accepts it too). Skippable frames (pzstd's) decompress to nothing.
+
+    Example: _ZstdStream(open("a.jsonl.zst", "rb"), "a.jsonl.zst").read(1 << 20)
+    """
+
+    READ_BYTES = 1 << 20  # compressed bytes per read of the file
+
+    def __init__(self, raw: io.BufferedIOBase, path: str) -> None:
+        import zstandard
+
+        self._raw, self._path, self._zstd = raw, path, zstandard
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = None  # the decompressor of the frame being read; None between frames
+        self._frames = 0  # frames finished
+        self._pending, self._pos = b"", 0  # decompressed bytes, and how many of them were returned
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        parts, need = [], size
+        while need:
+            available = len(self._pending) - self._pos
+            if available:
+                take = available if need < 0 else min(need, available)
+                parts.append(self._pending[self._pos : self._pos + take])
+                self._pos += take
+                need -= take
+                continue
+            chunk = self._raw.read(self.READ_BYTES)
+            if not chunk:
+                if self._frame is not None:
+                    raise _truncated(self._path, "zstd", f"frame {self._frames + 1}")
+                break
+            self._pending, self._pos = self._decompress(chunk), 0
+        return b"".join(parts)
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        out = []
+        while chunk:
+            if self._frame is None:
+                self._frame = self._dctx.decompressobj()
+            try:
+                out.append(self._frame.decompress(chunk))
+            except self._zstd.ZstdError as e:
+                raise _corrupt(self._path, "zstd", e) from e
+            if not self._frame.eof:
+                break
+            chunk, self._frame = self._frame.unused_data, None
+            self._frames += 1
+        return b"".join(out)
+
+
+class _GzipStream(io.RawIOBase):
+    """A .gz file's members, decompressed, with one clear line for a truncated or corrupt file. Like gzip (and
+    zstd, above), a file cut exactly between two members is a valid shorter file."""
+
+    def __init__(self, raw: io.BufferedIOBase, path: str) -> None:
+        self._gzip, self._path = gzip.GzipFile(fileobj=raw, mode="rb"), path
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._gzip.read(size)
+        except EOFError as e:  # "Compressed file ended before the end-of-stream marker was reached"
+            raise _truncated(self._path, "gzip", "a member") from e
+        except (OSError, zlib.error) as e:  # a bad header, CRC or length; damaged deflate data
+            raise _corrupt(self._path, "gzip", e) from e
 
 
 def _blocks(task: Task) -> Iterator[tuple[bytes | memoryview, int]]:
@@ -301,10 +427,7 @@ def _stream_blocks(task: Task) -> Iterator[tuple[bytes, int]]:
     with stream, raw:
         while remaining:
             want = BLOCK_BYTES if remaining < 0 else min(BLOCK_BYTES, remaining)
-            try:
-                data = stream.read(want)
-            except (OSError, EOFError, ValueError) as e:  # corrupt gzip/zstd stream
-                raise InputError(f"{task.path}: cannot decompress ({e}); the file is corrupt or truncated") from e
+            data = stream.read(want)  # a truncated or corrupt .gz/.zst raises InputError, whatever --on-bad-line
             if not data:
                 break
             if remaining > 0:
@@ -436,6 +559,7 @@ def _absolute_line(task: Task, line_in_task: int) -> int:
 
 
 def _read_parquet(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBatch]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(task.path)
@@ -444,7 +568,16 @@ def _read_parquet(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[Reco
     groups = list(range(task.start, task.stop))
     if not groups:
         return
-    for table in pf.iter_batches(batch_size=8192, row_groups=groups, columns=list(keys)):
+    batches = pf.iter_batches(batch_size=8192, row_groups=groups, columns=list(keys))
+    while True:
+        try:
+            table = next(batches, None)
+        except (pa.ArrowException, OSError) as e:  # a damaged page: the rows from it on are unreadable
+            raise InputError(
+                f"{task.path}: a damaged parquet file (pyarrow: {first_line(e)}); re-download or re-write it"
+            ) from None
+        if table is None:
+            return
         yield _columns_batch(task, keys, [table.column(k) for k in keys], row, on_bad)
         row += table.num_rows
 
