@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import ArgumentError, CorpusforgeError
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -703,7 +703,7 @@ def merge(
     import time
 
     if not prefixes:
-        raise ValueError("merge needs at least one input dataset")
+        raise ArgumentError("merge needs at least one input dataset")
     t0 = time.perf_counter()
     headers = [read_header(idx_path(p)) for p in prefixes]  # fail on a bad input before writing anything
     dtypes = {h.dtype for h in headers}
@@ -712,7 +712,7 @@ def merge(
         raise IndexedFormatError(f"cannot merge datasets of different token dtypes: {listing}")
     out = os.fspath(output_prefix)
     if any(os.path.abspath(os.fspath(p)) == os.path.abspath(out) for p in prefixes):
-        raise ValueError(f"{out}: the output prefix is also an input; choose another --output-prefix")
+        raise ArgumentError(f"{out}: the output prefix is also an input; choose another --output-prefix")
     cat = DatasetConcatenator(out, dtypes.pop(), max(1, streams))
     try:
         for p in prefixes:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from corpusforge.errors import ArgumentError
 from corpusforge.indexed import DTYPE_CODES, MAGIC, IndexedDatasetWriter, IndexedFormatError, bin_path, idx_path
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -307,7 +308,7 @@ def convert(
     src = read_legacy(prefix, one_document_per_item=one_document_per_item)
     out = os.fspath(output_prefix)
     if os.path.abspath(out) == os.path.abspath(src.prefix):
-        raise ValueError(f"{out}: the output prefix is the input; choose another --output-prefix")
+        raise ArgumentError(f"{out}: the output prefix is the input; choose another --output-prefix")
     shift = src.lua_shifted if lua_shift is None else lua_shift
     out_dtype = _output_dtype(src, dtype, shift)
     with IndexedDatasetWriter(out, out_dtype) as w:

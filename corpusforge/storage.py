@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge._jit import njit
+from corpusforge.errors import MissingExtraError
 from corpusforge.indexed import (
     DTYPE_CODES,
     HEADER_SIZE,
@@ -448,7 +449,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     try:
         import fsspec
     except ImportError:
-        raise ImportError("remote datasets need fsspec: pip install 'corpusforge[s3]'") from None
+        raise MissingExtraError("remote datasets need fsspec: pip install 'corpusforge[s3]'") from None
     protocol = url.split("://", 1)[0]
     options = dict(storage_options or {})
     if protocol in ("s3", "s3a") and "endpoint_url" in options:
@@ -465,7 +466,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
         return fsspec.filesystem(protocol, skip_instance_cache=True, **options)
     except (ImportError, ValueError) as e:
         if protocol in ("s3", "s3a"):
-            raise ImportError(f"{url}: s3 URLs need s3fs: pip install 'corpusforge[s3]' ({e})") from None
+            raise MissingExtraError(f"{url}: s3 URLs need s3fs: pip install 'corpusforge[s3]' ({e})") from None
         raise
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,39 +15,88 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-# Errors the library raises on purpose: their message is already the one line a person needs.
-EXIT_ERROR, EXIT_SKIPPED = 1, 3
+from corpusforge.errors import CorpusforgeError
+
+EXIT_ERROR, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 3, 130
 err_console = Console(stderr=True, highlight=False)
+
+# What a Ctrl-C leaves, by command; the rest say only that they were interrupted.
+_INTERRUPTED = {
+    "preprocess": "interrupted; finished parts are kept, rerun with --resume to continue",
+    "build-knn": "interrupted; finished stages and shards are kept, rerun with --resume to continue",
+    "train": "interrupted; rerun the same command to resume from the latest checkpoint",
+}
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> None:
-    click.echo(f"corpusforge: error: {message}", err=True)
+    """Print `corpusforge: error: MESSAGE` as one line on stderr (once, by rank 0, under torchrun) and exit."""
+    if is_rank_zero():
+        click.echo(f"corpusforge: error: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
 
 
-@contextmanager
-def clear_errors(also: tuple[type[Exception], ...] = ()):
-    """Turn the library's expected failures into one line and exit 1; anything else is a bug and shows a traceback.
-    `also` adds exception types that a verb's library call raises only for bad arguments."""
-    from corpusforge.indexed import IndexedFormatError
-    from corpusforge.preprocess import PreprocessError
-    from corpusforge.sources import BadRecordError, InputError
-    from corpusforge.tokenizers import TokenizerError
+def is_rank_zero() -> bool:
+    """True unless torchrun (or srun through torchrun's variables) made this process another rank than 0: every
+    rank of a job meets the same bad config or dataset, and one line says it, not one per rank."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
+
+@contextmanager
+def one_line_errors(command: str = "") -> Iterator[None]:
+    """The one handler at the top of every command: a CorpusforgeError (the user's problem, its message already
+    the line a person needs), a missing file, a full disk, a path one cannot write or a Ctrl-C becomes one line
+    and an exit code; anything else is a bug and keeps its traceback.
+
+    Example:
+        >>> with one_line_errors("preprocess"):
+        ...     preprocess(config)      # InputError("x.parquet: not a parquet file ...") -> one line, exit 1
+    """
     try:
         yield
-    except (IndexedFormatError, PreprocessError, BadRecordError, InputError, TokenizerError, FileNotFoundError) as e:
-        fail(str(e))
-    except also as e:
-        fail(str(e))
+    except CorpusforgeError as e:
+        fail(str(e), e.exit_code)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            fail(f"{e.filename or 'output'}: no space left ({e.strerror}); free space or choose another output path")
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fail(f"{e.filename}: {e.strerror}; choose a path you can write")
-        raise
+        line = _os_error_line(e)
+        if line is None:
+            raise
+        fail(line)
     except KeyboardInterrupt:
-        fail("interrupted; finished parts are kept, rerun with --resume to continue", 130)
+        fail(_INTERRUPTED.get(command, "interrupted"), EXIT_INTERRUPTED)
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for the OSErrors a user causes (a path that is missing, in the way, full or read-only), naming the
+    path; None for the others, which are bugs or broken storage and keep their traceback."""
+    # a rename names its source first; what is in the way (a directory where a file goes) is its target
+    path = e.filename2 if e.errno in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY) and e.filename2 else e.filename
+    path = path if path is not None else "output"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{path}: no space left ({e.strerror}); free space or choose another output path"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{path}: {e.strerror}; choose a path you can write"
+    if isinstance(e, FileNotFoundError):  # the library's own ones carry a message and no errno
+        return f"{path}: no such file or directory" if e.filename is not None else str(e)
+    if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
+        return f"{path}: {e.strerror}; move it out of the way or choose another path"
+    return None
+
+
+class Command(click.Command):
+    """Every corpusforge command: one_line_errors on top of it, whichever way it is started (the group, `python -m
+    corpusforge.train` under torchrun, a test's CliRunner or a script's `bench_io_cmd()`)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        with one_line_errors(self.name or ""):
+            return super().invoke(ctx)
+
+
+class Group(click.Group):
+    """The `corpusforge` group: refuses a command that is not a `Command`, so none can lose the handler."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if not isinstance(cmd, Command):
+            raise TypeError(f"{cmd.name}: declare it with @click.command(..., cls=_report.Command)")
+        super().add_command(cmd, name)
 
 
 def show_progress(enabled: bool | None) -> bool:

@@ -33,7 +33,7 @@ def _interrupt(signum, frame) -> None:  # SIGTERM (scancel, kill) cleans up like
     raise KeyboardInterrupt
 
 
-@click.command("bench-io")
+@click.command("bench-io", cls=_report.Command)
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--pattern",
@@ -133,7 +133,7 @@ def bench_io_cmd(
 
     Exit status: 0 ok, 4 stalls seen, 5 the storage hung, 1 an error (one line on stderr)."""
     from corpusforge.iobench import report
-    from corpusforge.iobench.runner import BenchError, run_bench
+    from corpusforge.iobench.runner import run_bench
 
     try:
         config = BenchConfig(
@@ -168,11 +168,10 @@ def bench_io_cmd(
         raise click.UsageError(str(e)) from None
     signal.signal(signal.SIGTERM, _interrupt)
     say = (lambda line: _report.err_console.print(f"[dim]{line}[/dim]")) if _report.show_progress(None) else None
-    with _report.clear_errors(also=(BenchError, RuntimeError)):
-        try:
-            run = run_bench(config, on_event=say)
-        except KeyboardInterrupt:  # the runner has removed its files by now; there is nothing to resume
-            _report.fail("interrupted; every file the benchmark created was removed", 130)
+    try:
+        run = run_bench(config, on_event=say)
+    except KeyboardInterrupt:  # the runner has removed its files by now; there is nothing to resume
+        _report.fail("interrupted; every file the benchmark created was removed", _report.EXIT_INTERRUPTED)
     if run.ranks.rank != 0:
         return
     if json_out:
@@ -185,8 +184,7 @@ def bench_io_cmd(
     if json_out != "-":
         report.print_table(run)
     if plot_out:
-        with _report.clear_errors(also=(RuntimeError,)):
-            report.plot(run.results, plot_out, run.config.target_utilization)
+        report.plot(run.results, plot_out, run.config.target_utilization)
     line, status = report.verdict(run)
     click.echo(f"corpusforge bench-io: {line}", err=True)
     sys.exit(status)

@@ -8,11 +8,10 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli._executor_options import executor_options
-from corpusforge.executors import ExecutorError
 from corpusforge.preprocess import PreprocessConfig, preprocess
 
 
-@click.command("preprocess")
+@click.command("preprocess", cls=_report.Command)
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--output-prefix", required=True, help="Writes PREFIX_{key}_document.bin/.idx (Megatron's naming).")
 @click.option("--json-keys", multiple=True, default=("text",), show_default=True, help="Field(s) to tokenize; repeat.")
@@ -87,9 +86,8 @@ def preprocess_cmd(
     )
     if ray_address and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
-    with _report.clear_errors(also=(ExecutorError,)):
-        with _report.task_progress(_report.show_progress(progress)) as advance:
-            stats = preprocess(config, on_progress=advance)
+    with _report.task_progress(_report.show_progress(progress)) as advance:
+        stats = preprocess(config, on_progress=advance)
     rows = [
         ("outputs", ", ".join(f"{p}.bin/.idx" for p in stats.outputs)),
         ("documents", stats.documents),

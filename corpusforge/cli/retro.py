@@ -15,7 +15,7 @@ from corpusforge.cli._executor_options import executor_options
 _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}
 
 
-@click.command("build-knn")
+@click.command("build-knn", cls=_report.Command)
 @click.argument("prefix")
 @click.option("--output", required=True, help="Database directory (created if missing).")
 @click.option("--chunk-length", default=64, show_default=True, type=click.IntRange(1, 32767), help="Tokens per chunk.")
@@ -89,16 +89,14 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options) -> None:
     """Build a retrieval database: chunks, embeddings, Faiss index, recall@10, neighbours; every stage resumable."""
-    from corpusforge.executors import ExecutorError
-    from corpusforge.retro import BuildConfig, RetroError, build_knn
+    from corpusforge.retro import BuildConfig, build_knn
     from corpusforge.retro.common import human_bytes
 
     if options["ray_address"] and options["executor"] != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
     config = BuildConfig(prefix=prefix, output=output, **options)
-    with _report.clear_errors(also=(RetroError, ExecutorError)):
-        with stage_progress(_report.show_progress(progress) and not dry_run) as on_stage:
-            result = build_knn(config, dry_run=dry_run, resume=resume, progress=on_stage)
+    with stage_progress(_report.show_progress(progress) and not dry_run) as on_stage:
+        result = build_knn(config, dry_run=dry_run, resume=resume, progress=on_stage)
     data = result.to_dict()
     if dry_run:
         est = result.estimates
@@ -217,7 +215,7 @@ def _plan_rows(plan: dict) -> list[tuple[str, object]]:
     return [("index", plan["key"]), *kmeans, ("index RAM (est.)", human_bytes(plan["ram_bytes"]))]
 
 
-@click.command("query-knn")
+@click.command("query-knn", cls=_report.Command)
 @click.argument("db")
 @click.argument("text")
 @click.option("-k", default=5, show_default=True, type=click.IntRange(1), help="Nearest chunks per query chunk.")
@@ -226,10 +224,9 @@ def query_knn_cmd(db, text, k, as_json) -> None:
     """Show the database chunks nearest to TEXT (tokenised and chunked like the database), as text."""
     import json
 
-    from corpusforge.retro import RetroError, query_knn
+    from corpusforge.retro import query_knn
 
-    with _report.clear_errors(also=(RetroError,)):
-        results = query_knn(db, text, k=k)
+    results = query_knn(db, text, k=k)
     if as_json:
         click.echo(json.dumps(results, indent=1, ensure_ascii=False))
         return

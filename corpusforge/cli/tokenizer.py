@@ -9,7 +9,7 @@ import click
 from corpusforge.cli import _report
 
 
-@click.command("train-tokenizer")
+@click.command("train-tokenizer", cls=_report.Command)
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--vocab-size", type=click.IntRange(min=1), required=True)
 @click.option(
@@ -29,8 +29,7 @@ def train_tokenizer_cmd(inputs, vocab_size, output, kind, json_keys, max_mb, as_
     from corpusforge.sources import expand_inputs, iter_texts
     from corpusforge.tokenizer_training import train_tokenizer
 
-    with _report.clear_errors():
-        texts = iter_texts(expand_inputs(inputs), json_keys, max_bytes=max_mb << 20 if max_mb else None)
-        stats = train_tokenizer(texts, vocab_size, output, kind=kind)
+    texts = iter_texts(expand_inputs(inputs), json_keys, max_bytes=max_mb << 20 if max_mb else None)
+    stats = train_tokenizer(texts, vocab_size, output, kind=kind)
     data = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(stats).items()}
     _report.print_summary("corpusforge train-tokenizer", list(data.items()), data if as_json else None)

@@ -9,7 +9,9 @@ import click
 from corpusforge.cli import _report
 
 
-@click.command("train", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(
+    "train", cls=_report.Command, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
 @click.option(
     "--config",
     "config_path",
@@ -28,19 +30,16 @@ def train_cmd(config_path, overrides, dry_run, list_keys, as_json) -> None:
 
     OVERRIDES are key=value pairs applied after the config file, e.g. max_steps=100 lr=3e-4 compile=false.
     """
-    from corpusforge.train.checkpoint import CheckpointError
-    from corpusforge.train.config import ConfigError, describe_keys, load_config
-    from corpusforge.train.data import DataError
+    from corpusforge.train.config import describe_keys, load_config
 
     if list_keys:
         click.echo(describe_keys())
         return
-    with _report.clear_errors(also=(ConfigError, DataError, CheckpointError)):
-        cfg = load_config(config_path, list(overrides))
-        from corpusforge.train.trainer import train
+    cfg = load_config(config_path, list(overrides))
+    from corpusforge.train.trainer import train
 
-        log = lambda line: click.echo(line, err=as_json)  # noqa: E731 - with --json, stdout holds only the JSON
-        summary = train(cfg, dry_run=dry_run, log=log)
+    log = lambda line: click.echo(line, err=as_json)  # noqa: E731 - with --json, stdout holds only the JSON
+    summary = train(cfg, dry_run=dry_run, log=log)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if dry_run or as_json:

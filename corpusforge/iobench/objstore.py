@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from corpusforge.errors import MissingExtraError
 from corpusforge.iobench import patterns
 from corpusforge.iobench.patterns import Beat, Case, Phase, checkpoint_shapes
 
@@ -30,7 +31,7 @@ def filesystem(url: str, options: tuple[tuple[str, str], ...]):
     try:
         return make(url, dict(options))
     except ImportError as e:
-        raise RuntimeError(f"{url}: {e}") from None
+        raise MissingExtraError(f"{url}: {e}") from None
 
 
 def _fs(case: Case):

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from corpusforge.errors import MissingExtraError
+from corpusforge.iobench.config import BenchConfigError
+
 
 def launch_env(env: Mapping[str, str]) -> tuple[str, int, int]:
     """(launcher, rank, world) from the environment: "torchrun", "srun", or "single" (one rank).
@@ -51,14 +54,14 @@ class Ranks:
             return cls(launcher=launcher)
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
-            raise RuntimeError(
+            raise BenchConfigError(
                 f"running as rank {rank} of {world} ({launcher}) but {' and '.join(missing)} not set; "
                 "start with torchrun, or export MASTER_ADDR (the first node) and MASTER_PORT in the srun script"
             )
         try:
             import torch.distributed as dist
         except ImportError:
-            raise RuntimeError("bench-io across ranks needs torch: pip install torch") from None
+            raise MissingExtraError("bench-io across ranks needs torch: pip install torch") from None
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world)
         return cls(rank, world, dist, launcher)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from corpusforge.errors import MissingExtraError
 from corpusforge.iobench.config import human_bytes
 from corpusforge.iobench.runner import Run
 from corpusforge.iobench.stats import CaseResult
@@ -244,7 +245,7 @@ def plot(results: list[CaseResult], out: str, target_utilization: float = 0.9) -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'corpusforge[bench]'") from None
+        raise MissingExtraError("--plot needs matplotlib: pip install 'corpusforge[bench]'") from None
     ok = [r for r in results if r.verdict in ("ok", "stalls")]
     trains = [r for r in ok if r.pattern == "train" and "utilization" in r.extra]
     panels = []

@@ -1,4 +1,8 @@
-"""`python -m corpusforge.train` / `torchrun ... -m corpusforge.train`: the `corpusforge train` command."""
+"""`python -m corpusforge.train` / `torchrun ... -m corpusforge.train`: the `corpusforge train` command.
+
+Its errors are printed as one line by rank 0 only (every rank meets the same bad config); each rank exits with the
+error's code, so torchrun reports the failure.
+"""
 
 from corpusforge.cli.train import train_cmd
 

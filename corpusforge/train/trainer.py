@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from corpusforge.train import checkpoint as ckpt
-from corpusforge.train.config import TrainConfig, grad_accum_steps
+from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps
 from corpusforge.train.data import TrainData, build_data, check_vocab
 from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, percentiles_ms
 from corpusforge.train.model import GPT, GPTConfig, flops_per_token, loss_fn
@@ -60,7 +60,7 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     """Join the torchrun process group (NCCL on GPU, gloo on CPU) when RANK/WORLD_SIZE are set."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError('device = "cuda" but torch sees no GPU; use device = "cpu" or "auto"')
+        raise ConfigError('device = "cuda" but torch sees no GPU; use device = "cpu" or "auto"')
     rt = Runtime()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rt.rank, rt.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
