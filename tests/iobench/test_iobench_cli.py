@@ -155,7 +155,12 @@ def test_ctrl_c_removes_every_file(tmp_path):
         time.sleep(0.1)
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group gets SIGINT
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # a lost Ctrl-C must fail the test, not leave the benchmark running
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"bench-io did not exit within 60 s of SIGINT; its stderr: {err[-2000:]}")
     assert proc.returncode == 130, err
     assert "interrupted; every file the benchmark created was removed" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
