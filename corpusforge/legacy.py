@@ -45,7 +45,16 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge.errors import ArgumentError
-from corpusforge.indexed import DTYPE_CODES, MAGIC, IndexedDatasetWriter, IndexedFormatError, bin_path, idx_path
+from corpusforge.indexed import (
+    DTYPE_CODES,
+    MAGIC,
+    IndexedDatasetWriter,
+    IndexedFormatError,
+    bin_path,
+    check_token_sample,
+    idx_path,
+    read_token_sample,
+)
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
 FAIRSEQ_HEADER = 48
@@ -172,6 +181,9 @@ class LegacyIndexedDataset:
             self.doc_idx = None
         # np.memmap cannot map an empty file; an empty dataset has nothing to read anyway.
         self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if nbytes else np.zeros(0, self.dtype)
+        # A signed dtype code put where the unsigned one of the same width belongs (int16 for uint16) moves no
+        # offset; negative ids in a sample of the tokens show it, as for the MMap format (indexed.check_token_sample).
+        check_token_sample(str(self.idx_path), *read_token_sample(self.bin_path, self.dtype))
 
     def _check_items(self) -> None:
         """Every item 1-D, with a non-negative size that matches its span of the .bin."""

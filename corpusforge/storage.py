@@ -55,7 +55,6 @@ import json
 import mmap
 import os
 import shutil
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -67,16 +66,10 @@ from typing import Any
 
 import numpy as np
 
+from corpusforge import indexed
 from corpusforge._jit import njit
 from corpusforge.errors import MissingExtraError
-from corpusforge.indexed import (
-    DTYPE_CODES,
-    HEADER_SIZE,
-    MAGIC,
-    IndexedDataset,
-    IndexedFormatError,
-    fsync_dir,
-)
+from corpusforge.indexed import HEADER_SIZE, IndexedDataset, IndexedFormatError, fsync_dir
 from corpusforge.pagecache import resident_fraction
 
 READ_MODES = ("auto", "pread", "direct", "mmap", "mmap-random")
@@ -212,7 +205,7 @@ class LocalDataset(IndexedDataset):
         pin: ReaderPin | None = None,
     ) -> None:
         self.pin = pin  # a local cache entry's: no eviction while this dataset (or a fork of it) is open
-        super().__init__(prefix)
+        super().__init__(prefix, check=False)
         if read_mode not in READ_MODES:
             raise ValueError(f"read_mode {read_mode!r}: choose one of {READ_MODES}")
         self.source = source or self.prefix  # what the user named (a URL when read through the local cache)
@@ -221,7 +214,12 @@ class LocalDataset(IndexedDataset):
             self.read_mode, self.read_mode_reason = choose_read_mode(self.bin_path, self._config)
         else:
             self.read_mode, self.read_mode_reason = read_mode, "configured"
-        self._fd: int | None = None
+        self._fd: int | None = None  # close() reads it
+        try:  # the full check after "auto" has measured how much of the .bin is cached: its sample caches some pages
+            self.validate()
+        except IndexedFormatError:
+            self.close()  # let go of the cache entry's pin: a refused dataset is not being read
+            raise
         self._fd_pid = -1
         if self.read_mode == "mmap-random" and isinstance(self._bin, np.memmap):
             self._bin._mmap.madvise(mmap.MADV_RANDOM)  # fault in one page at a time: no read-ahead
@@ -471,23 +469,17 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
 
 
 def parse_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
-    """The arrays of an .idx held in memory, with the header checks of indexed.read_header.
+    """The arrays of an .idx held in memory, with the header and size checks of indexed.IndexedDataset.
 
     Example:
         >>> parse_index(open("out/a_text_document.idx", "rb").read(), "a")["dtype"]
         dtype('uint16')
     """
-    if len(data) < HEADER_SIZE or bytes(data[: len(MAGIC)]) != MAGIC:
-        raise IndexedFormatError(f"{where}: not a Megatron MMap index (bad magic or shorter than its header)")
-    version, code = struct.unpack_from("<QB", data, len(MAGIC))
-    if version != 1 or code not in DTYPE_CODES:
-        raise IndexedFormatError(f"{where}: index version {version} / dtype code {code} not supported")
-    s, d = struct.unpack_from("<QQ", data, 18)
-    expected = HEADER_SIZE + 12 * s + 8 * d
-    if len(data) not in (expected, expected + s):
-        raise IndexedFormatError(f"{where}: {len(data)} bytes, but its header promises {s} sequences ({expected})")
+    header = indexed.parse_header(bytes(data[:HEADER_SIZE]), where)
+    indexed.check_index_size(where, len(data), header)
+    s, d = header.sequence_count, header.document_count
     return {
-        "dtype": np.dtype(DTYPE_CODES[code]),
+        "dtype": header.dtype,
         "sequence_lengths": np.frombuffer(data, np.int32, s, HEADER_SIZE),
         "sequence_pointers": np.frombuffer(data, np.int64, s, HEADER_SIZE + 4 * s),
         "document_indices": np.frombuffer(data, np.int64, d, HEADER_SIZE + 12 * s),
@@ -683,14 +675,23 @@ class RemoteDataset:
         self.sequence_lengths = arrays["sequence_lengths"]
         self.sequence_pointers = arrays["sequence_pointers"]
         self.document_indices = arrays["document_indices"]
-        s = len(self.sequence_lengths)
-        end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if s else 0
-        if end != bin_size:
-            raise IndexedFormatError(f"{url}: the index covers {end} bytes of tokens but the .bin has {bin_size}")
+        # The same checks as a local open (the whole .idx is in memory anyway), before any block is fetched.
+        indexed.check_index(
+            idx_url, self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices, bin_size,
+            self.bin_url,
+        )  # fmt: skip
         self.bin_size = bin_size
+        self._check_head_tokens(fs)
         self.blocks = BlockCache(
             self._fetch, bin_size, self.config.block_size, self.config.cache_blocks, self.config.prefetch_blocks
         )
+
+    def _check_head_tokens(self, fs: Any) -> None:
+        """The dtype against the first tokens (indexed.check_token_sample), in one small ranged GET rather than a
+        first block of `block_size`; the middle and end samples of a local open would cost two more requests."""
+        head = fs.cat_file(self.bin_url, start=0, end=min(self.bin_size, indexed.SAMPLE_TOKENS * self.dtype.itemsize))
+        tokens = np.frombuffer(head, self.dtype, len(head) // self.dtype.itemsize)
+        indexed.check_token_sample(f"{self.prefix}.idx", tokens, np.arange(len(tokens)))
 
     def _filesystem(self) -> Any:
         # fsspec's async clients (s3fs/aiohttp) must not cross a fork: each process makes its own.
@@ -835,9 +836,7 @@ class LocalCache:
             copied = {ext: (partial / f"{name}.{ext}").stat().st_size for ext in ("bin", "idx")}
             if copied != dict(sizes):
                 raise OSError(f"{source}: copied {copied} bytes, the source has {dict(sizes)}")
-            check = IndexedDataset(partial / name)  # header, sizes, first/last pointers against the .bin
-            check.validate()  # every pointer and document index
-            check.close()
+            IndexedDataset(partial / name).close()  # opening checks every length, pointer and document index
             meta = {"source": source, "sizes": dict(sizes), "sha256": hashes, "copied_at": time.time()}
             (partial / "meta.json").write_text(json.dumps(meta, indent=1))
             fsync_dir(partial)
