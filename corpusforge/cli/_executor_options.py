@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import click
 
+from corpusforge.cli.types import Seconds
 from corpusforge.executors import EXECUTORS
 
 
@@ -42,7 +43,7 @@ def executor_options(tasks: str) -> Callable:
                 ),
                 click.option(
                     "--ray-keep-workers",
-                    type=click.FloatRange(min=0),
+                    type=Seconds(),
                     default=60.0,
                     show_default=True,
                     metavar="SECONDS",

@@ -8,18 +8,8 @@ import sys
 import click
 
 from corpusforge.cli import _report
-from corpusforge.iobench.config import PATTERNS, BenchConfig, BenchConfigError, parse_size
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_size(t) for t in text.split(",") if t.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise BenchConfigError(f"{text!r}: give a number or a comma-separated list (1,2,4)") from None
+from corpusforge.cli.types import COUNT, CountList, Seconds, Size, SizeList
+from corpusforge.iobench.config import PATTERNS, BenchConfig, BenchConfigError
 
 
 def _options(pairs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -43,9 +33,23 @@ def _interrupt(signum, frame) -> None:  # SIGTERM (scancel, kill) cleans up like
     help="Pattern to run; repeat [default: all but train].",
 )
 @click.option("--compare", multiple=True, help="More paths to run the same patterns on, shown side by side.")
-@click.option("--block-size", default="1M", show_default=True, help="seq-read/seq-write request sizes: 4k,64k,1M,16M.")
-@click.option("--procs", default="1", show_default=True, help="Processes per rank; a list sweeps: 1,2,4.")
-@click.option("--file-size", default="64M", show_default=True, help="Bytes per process for seq/rand patterns.")
+@click.option(
+    "--block-size",
+    type=SizeList(),
+    default="1M",
+    show_default=True,
+    help="seq-read/seq-write request sizes: 4k,64k,1M,16M.",
+)
+@click.option(
+    "--procs", type=CountList(), default="1", show_default=True, help="Processes per rank; a list sweeps: 1,2,4."
+)
+@click.option(
+    "--file-size",
+    type=Size(minimum=1),
+    default="64M",
+    show_default=True,
+    help="Bytes per process for seq/rand patterns.",
+)
 @click.option(
     "--layout", type=click.Choice(["file-per-process", "shared"]), default="file-per-process", show_default=True
 )
@@ -57,31 +61,40 @@ def _interrupt(signum, frame) -> None:  # SIGTERM (scancel, kill) cleans up like
     help="O_DIRECT where the file system allows it.",
 )
 @click.option("--keep-cache", is_flag=True, help="Do not evict the files from the page cache before reading.")
-@click.option("--sample-size", default="8k", show_default=True, help="Bytes per random read (one sample).")
-@click.option("--rand-ops", type=int, default=20000, show_default=True, help="Random reads per process.")
-@click.option("--duration", type=float, default=30.0, show_default=True, help="Max seconds per read pattern.")
-@click.option("--metadata-files", type=int, default=1000, show_default=True, help="Small files per process.")
-@click.option("--checkpoint-size", default="256M", show_default=True, help="Checkpoint bytes per process.")
+@click.option(
+    "--sample-size", type=Size(minimum=1), default="8k", show_default=True, help="Bytes per random read (one sample)."
+)
+@click.option("--rand-ops", type=COUNT, default=20000, show_default=True, help="Random reads per process.")
+@click.option(
+    "--duration", type=Seconds(positive=True), default=30.0, show_default=True, help="Max seconds per read pattern."
+)
+@click.option("--metadata-files", type=COUNT, default=1000, show_default=True, help="Small files per process.")
+@click.option(
+    "--checkpoint-size", type=Size(minimum=1), default="256M", show_default=True, help="Checkpoint bytes per process."
+)
 @click.option(
     "--dataset", default=None, help="Token dataset PREFIX (or s3://...) for replay/train [default: a synthetic one]."
 )
-@click.option("--synthetic-tokens", default="16M", show_default=True, help="Size of the synthetic dataset.")
-@click.option("--seq-length", type=int, default=2048, show_default=True)
-@click.option("--micro-batch", type=int, default=8, show_default=True)
-@click.option("--loader-workers", type=int, default=0, show_default=True)
+@click.option(
+    "--synthetic-tokens", type=Size(minimum=1), default="16M", show_default=True, help="Size of the synthetic dataset."
+)
+@click.option("--seq-length", type=COUNT, default=2048, show_default=True)
+@click.option("--micro-batch", type=COUNT, default=8, show_default=True)
+@click.option("--loader-workers", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--remote-block-size",
+    type=Size(minimum=1),
     default="256M",
     show_default=True,
     help="Replay/train from s3://: bytes per ranged GET of the loader's block cache.",
 )
-@click.option("--steps", type=int, default=50, show_default=True, help="Batches per process (replay, train).")
-@click.option("--compute-time", type=float, default=0.1, show_default=True, help="Train: emulated compute s/step.")
-@click.option("--max-accelerators", type=int, default=64, show_default=True)
+@click.option("--steps", type=COUNT, default=50, show_default=True, help="Batches per process (replay, train).")
+@click.option("--compute-time", type=Seconds(), default=0.1, show_default=True, help="Train: emulated compute s/step.")
+@click.option("--max-accelerators", type=COUNT, default=64, show_default=True)
 @click.option(
     "--stall",
     "stall_seconds",
-    type=float,
+    type=Seconds(positive=True),
     default=5.0,
     show_default=True,
     help="Flag any single op slower than this (s).",
@@ -89,7 +102,7 @@ def _interrupt(signum, frame) -> None:  # SIGTERM (scancel, kill) cleans up like
 @click.option(
     "--hang",
     "hang_seconds",
-    type=float,
+    type=Seconds(positive=True),
     default=60.0,
     show_default=True,
     help="Declare an op that has not returned after this (s) hung; kill its workers, end the run.",
@@ -139,23 +152,23 @@ def bench_io_cmd(
         config = BenchConfig(
             paths=tuple(paths) + tuple(compare),
             patterns=tuple(patterns) or BenchConfig.__dataclass_fields__["patterns"].default,
-            block_sizes=_sizes(block_size),
-            procs=_ints(procs),
-            file_size=parse_size(file_size),
+            block_sizes=block_size,
+            procs=procs,
+            file_size=file_size,
             layout=layout,
             direct=direct,
             drop_cache=not keep_cache,
-            sample_size=parse_size(sample_size),
+            sample_size=sample_size,
             rand_ops=rand_ops,
             duration=duration,
             metadata_files=metadata_files,
-            checkpoint_size=parse_size(checkpoint_size),
+            checkpoint_size=checkpoint_size,
             dataset=dataset,
-            synthetic_tokens=parse_size(synthetic_tokens),
+            synthetic_tokens=synthetic_tokens,
             seq_length=seq_length,
             micro_batch=micro_batch,
             loader_workers=loader_workers,
-            remote_block_size=parse_size(remote_block_size),
+            remote_block_size=remote_block_size,
             steps=steps,
             compute_time=compute_time,
             max_accelerators=max_accelerators,

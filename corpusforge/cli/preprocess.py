@@ -8,6 +8,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli._executor_options import executor_options
+from corpusforge.cli.types import Size
 from corpusforge.preprocess import PreprocessConfig, preprocess
 
 
@@ -45,7 +46,10 @@ from corpusforge.preprocess import PreprocessConfig, preprocess
 @click.option("--on-bad-line", type=click.Choice(["fail", "skip"]), default="fail", show_default=True)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its finished parts.")
 @click.option(
-    "--task-size", default="0", help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB]."
+    "--task-size",
+    type=Size(),
+    default="0",
+    help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB].",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
@@ -78,7 +82,7 @@ def preprocess_cmd(
         workers=workers,
         on_bad_line=on_bad_line,
         resume=resume,
-        task_bytes=_parse_size(task_size),
+        task_bytes=task_size,
         executor=executor,
         ray_address=ray_address,
         ray_keep_workers=ray_keep_workers,
@@ -106,6 +110,8 @@ def preprocess_cmd(
     if stats.already_complete:
         rows.insert(0, ("resume", "already complete; nothing to do"))
     _report.print_summary("corpusforge preprocess", rows, stats.to_dict() if as_json else None)
+    for warning in stats.warnings:  # an input named twice, an empty input: said, not fatal
+        click.echo(f"corpusforge: warning: {warning}", err=True)
     if stats.bad_records:
         click.echo(f"corpusforge: skipped {stats.bad_records:,} bad records; first: {stats.first_bad}", err=True)
         sys.exit(_report.EXIT_SKIPPED)
@@ -116,13 +122,3 @@ def _bad_text(stats) -> str:
         return "0"
     kinds = ", ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in stats.bad.items())
     return f"{stats.bad_records:,} skipped ({kinds})"
-
-
-def _parse_size(text: str) -> int:
-    """'64M' -> 67108864; plain numbers are bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size (examples: 64M, 512k, 1000000)") from None

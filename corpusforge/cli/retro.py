@@ -10,6 +10,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli._executor_options import executor_options
+from corpusforge.cli.types import COUNT, Size
 
 # what each stage's bar counts
 _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}
@@ -25,9 +26,15 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     show_default=True,
     help="'hashed' (model-free, lexical) or a local sentence-transformers / Hugging Face model directory.",
 )
-@click.option("--dim", default=128, show_default=True, type=int, help="Dimension of the hashed embedder.")
+@click.option("--dim", default=128, show_default=True, type=COUNT, help="Dimension of the hashed embedder.")
 @click.option("--tokenizer", default=None, help="Tokenizer of the dataset [default: from PREFIX.preprocess.json].")
-@click.option("--max-index-memory", default="16G", show_default=True, help="RAM the index may use (e.g. 64G).")
+@click.option(
+    "--max-index-memory",
+    type=Size(minimum=1, as_text=True),
+    default="16G",
+    show_default=True,
+    help="RAM the index may use (e.g. 64G).",
+)
 @click.option("--index-key", default=None, help="Force a Faiss index_factory string instead of the planner's.")
 @click.option(
     "--train-per-list",
@@ -73,7 +80,7 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     "--recall-queries", default=1000, show_default=True, type=click.IntRange(1), help="Held-out chunks for recall@10."
 )
 @click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
 @click.option(
     "--index-on-disk/--index-in-ram",
