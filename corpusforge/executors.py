@@ -33,8 +33,11 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
@@ -206,7 +209,7 @@ class LocalExecutor(Executor):
         # SimpleQueue: put() writes to the pipe at once (no feeder thread), so a task's events are all there
         # before its result is, and the drain after each result misses none.
         events = ctx.SimpleQueue()
-        pool = ProcessPoolExecutor(min(self._workers, len(left)), ctx, _init_worker, (events,))
+        pool = ProcessPoolExecutor(min(self._workers, len(left)), ctx, _init_worker, (events, os.getpid()))
         try:
             pending = {pool.submit(_call_in_worker, fn, item): pos for pos, item in left.items()}
             while pending:
@@ -232,21 +235,50 @@ def _drain(events, on_progress) -> None:
 _worker_events = None
 
 
-def _init_worker(events) -> None:
+def _init_worker(events, parent: int) -> None:
     global _worker_events
     _worker_events = events
-    _die_with_parent()
+    die_with_parent(parent)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent dies, so a killed run leaves no orphan writing parts."""
-    try:
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Call first thing in a child process: it ends (SIGKILL) when its parent dies, whichever way (SIGKILL and the
+    OOM killer included), so a killed run leaves no orphan writing parts or holding memory (seen: a build-knn worker
+    alive 16 minutes after its parent was killed). `parent`: the parent's pid, read before the fork; default the
+    multiprocessing parent's (multiprocessing reads it before the fork too).
+
+    Linux: prctl(PR_SET_PDEATHSIG), then a check that the parent did not die between the fork and the prctl (the
+    child is already reparented then, and no signal would ever come). The kernel sends the signal when the *thread*
+    that forked the child exits: pools are started from the thread that uses them. Elsewhere: a daemon thread that
+    polls the parent's pid once a second.
+
+    Example (as a pool's initializer):
+        >>> ProcessPoolExecutor(2, initializer=die_with_parent, initargs=(os.getpid(),))
+    """
+    if parent is None:
+        parent = mp.parent_process().pid
+    if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            _watch_parent(parent)  # a seccomp filter forbids prctl: fall back on polling
+    else:
+        _watch_parent(parent)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="corpusforge-parent-watch", daemon=True).start()
 
 
 def _call_in_worker(fn: TaskFn, item: T) -> R:

@@ -19,8 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from corpusforge.data.batch import assemble
 from corpusforge.data.cache import describe_differences, description_hash
 from corpusforge.data.gpt_dataset import prefetch_upcoming
 from corpusforge.errors import CorpusforgeError
+from corpusforge.executors import die_with_parent
 
 STATE_VERSION = 1
 
@@ -178,6 +180,20 @@ class RawBatches:
         return self.dataset.read_raw(ids)
 
 
+@dataclass(frozen=True)
+class WorkerInit:
+    """A DataLoader's worker_init_fn: die with the process that made the loader (`parent`), then `then`'s own init.
+    A dataclass, so that it pickles to spawn/forkserver workers."""
+
+    parent: int
+    then: Callable[[int], None] | None = None
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent(self.parent)
+        if self.then is not None:
+            self.then(worker_id)
+
+
 def _accelerator() -> bool:
     """Whether page-locked memory can be had (torch's DataLoader also pins only where there is an accelerator)."""
     import torch
@@ -211,12 +227,14 @@ class Loader:
         drop_last: bool = True,
         consumed_samples: int = 0,
         multiprocessing_context: str | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         self.dataset = dataset
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
         self.num_workers, self.pin_memory, self.drop_last = num_workers, pin_memory, drop_last
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.multiprocessing_context = multiprocessing_context
+        self.worker_init_fn = worker_init_fn
         self.consumed_samples = consumed_samples
         self._sampler(consumed_samples)  # check the arguments now, not at the first batch
         self.fingerprint = dataset.fingerprint
@@ -243,6 +261,8 @@ class Loader:
                 "prefetch_factor": self.prefetch_factor,
                 "persistent_workers": self.persistent_workers,
                 "multiprocessing_context": self.multiprocessing_context,
+                # workers end with this process, even SIGKILLed: torch's own watchdog looks only between batches
+                "worker_init_fn": WorkerInit(os.getpid(), self.worker_init_fn),
             }
         batches = LookaheadBatches(self._sampler(self.consumed_samples), max(1, self.num_workers))
         # Workers send raw text, assembled here (see RawBatches), straight into page-locked memory when pinning.
@@ -297,7 +317,7 @@ def make_loader(
     **options: Any,
 ) -> Loader:
     """A Loader for rank `dp_rank` of `dp_world_size`; options: pin_memory, prefetch_factor, persistent_workers,
-    drop_last, consumed_samples, multiprocessing_context ("spawn", "forkserver"; default: torch's).
+    drop_last, consumed_samples, multiprocessing_context ("spawn", "forkserver"; default: torch's), worker_init_fn.
 
     Example:
         >>> loader = make_loader(train, micro_batch_size=8, dp_rank=rank, dp_world_size=world, num_workers=2)

@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from corpusforge.executors import die_with_parent
+
 
 class StorageTimeout(RuntimeError):
     """The storage did not answer within the time limit."""
@@ -29,6 +31,7 @@ def detach_output() -> None:
 
 
 def _child(conn, fn, args) -> None:
+    die_with_parent()  # ends with bench-io, once the mount answers (no signal ends a wait inside FUSE)
     detach_output()
     try:
         conn.send(("ok", fn(*args)))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from corpusforge.errors import CorpusforgeError
+from corpusforge.executors import die_with_parent
 from corpusforge.iobench import guard, patterns
 from corpusforge.iobench.config import BenchConfig, human_bytes, is_url
 from corpusforge.iobench.ranks import Ranks
@@ -186,6 +187,7 @@ def open_path(path: str) -> tuple[str, bool, str, bool]:
 
 def _worker(case: patterns.Case, local: int, slot: int, times, phase_codes, barrier, out) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    die_with_parent()  # a SIGKILLed bench-io leaves no worker hammering the storage
     guard.detach_output()
     beat = patterns.Beat(times, phase_codes, local)
     if is_url(case.root):
