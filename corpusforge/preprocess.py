@@ -2,17 +2,23 @@
 
 The input is cut into tasks (see `sources`); each task is tokenized by a worker process into its own part,
 `{prefix}.parts/part-NNNNN_{key}_document.bin/.idx`, finished atomically and then marked done by
-`part-NNNNN.done.json` (its statistics). A part's place in `{prefix}_{key}_document.bin` is the sum of the sizes
-of the parts before it, so as soon as those are done it is copied straight there, several at once, while the
-other tasks tokenize (by threads here, or by the nodes of a multi-node Ray cluster); at the end the .idx is
-built from the parts' lengths, both files are fsynced once and renamed from their temporary names, the resolved
-configuration and statistics go to `{prefix}.preprocess.json`, and the parts directory is removed.
+`part-NNNNN.done.json` (its statistics). A part's place in the whole dataset is the sum of the sizes of the parts
+before it, so as soon as those are done it is copied straight there (`{prefix}.parts/all_{key}_document.bin`),
+several at once, while the other tasks tokenize (by threads here, or by the nodes of a multi-node Ray cluster);
+at the end the .idx is built from the parts' lengths and both files are fsynced once. Then the commit (see
+`_commit`): a record of what to rename, the renames to `{prefix}_{key}_document.bin/.idx`, the resolved
+configuration and statistics to `{prefix}.preprocess.json`, and the parts directory is removed.
 
-A killed run leaves finished parts and no final files; `resume=True` checks that the parts were made from
-the same inputs, keys and tokenizer (the manifest), and tokenizes only the missing tasks. Because the
-output is the concatenation of per-task results, it is byte-identical for any number of workers, on either
-executor (`corpusforge.executors`: local processes, or Ray across machines that share a file system), and
-whether or not the run was interrupted.
+A killed run leaves finished parts, and the final names hold the old pair, the new pair or a .bin without an
+.idx (which readers refuse), never a mismatched pair; `resume=True` finishes an interrupted commit from its record,
+or checks that the parts were made from the same inputs, keys and tokenizer (the manifest) and tokenizes only
+the missing tasks. Because the output is the concatenation of per-task results, it is byte-identical for any
+number of workers, on either executor (`corpusforge.executors`: local processes, or Ray across machines that
+share a file system), and whether or not the run was interrupted.
+
+Inputs that are cut short (.gz/.zst) or damaged fail the run whatever `on_bad_line` says; an input named twice
+is read once, and it and an input without records are reported in `PreprocessStats.warnings`; a run whose inputs
+hold no document at all fails rather than write an empty dataset.
 
 Example:
     >>> stats = preprocess(PreprocessConfig(inputs=("corpus.jsonl",), output_prefix="out/corpus"))
@@ -23,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
@@ -80,11 +87,18 @@ class PreprocessConfig:
     retries: int = 2
     """Times a task is run again when its worker process (or Ray node) dies; a task that raises is not retried."""
     merge_on_workers: bool | None = None
+    level: str = "document"
+    """The last word of the output names, `{prefix}_{key}_{level}`: Megatron writes "sentence" when it splits
+    documents into sentences (corpusforge.megatron); "document" otherwise."""
+    tokenizer_factory: Callable[[bool], Tokenizer] | None = None
+    """Builds the tokenizer (given `threads`) instead of `load_tokenizer(tokenizer)`: a picklable, hashable callable
+    (corpusforge.megatron's tokenizers with Megatron's semantics). A tokenizer with `encode_documents` may write
+    several sequences, or none, per document (see `_add_segmented`)."""
     """Copy finished parts into the final .bin from the executor's nodes (each at its offset, in parallel) rather
     than from this process. None: when the executor spans more than one machine."""
 
     def output_prefixes(self) -> list[str]:
-        return [f"{self.output_prefix}_{key}_document" for key in self.json_keys]
+        return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
 
 
 @dataclass
@@ -107,6 +121,8 @@ class PreprocessStats:
     engine: str = ""
     outputs: list[str] = field(default_factory=list)
     already_complete: bool = False
+    warnings: list[str] = field(default_factory=list)
+    """One line each: an input named twice (read once), an input with no records. The CLI prints them."""
 
     @property
     def bad_records(self) -> int:
@@ -155,7 +171,8 @@ class PreprocessError(CorpusforgeError, RuntimeError):
 def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None] | None = None) -> PreprocessStats:
     """Tokenize `config.inputs` into Megatron datasets; see the module docstring for the guarantees."""
     t0 = time.perf_counter()
-    _check_output_dir(config.output_prefix)
+    found = sources.find_inputs(config.inputs)
+    _prepare_output(config)
     # Ray connects here, so that its workers start and load the tokenizer while this process loads its own;
     # the local executor starts nothing (its workers fork later, from a process that has started no thread).
     warm_up = partial(_warm_worker, config)
@@ -163,7 +180,7 @@ def preprocess(config: PreprocessConfig, on_progress: Callable[[Progress], None]
         config.executor, config.workers, config.ray_address, config.retries, warm_up, config.ray_keep_workers
     )
     with executor:
-        return _preprocess(config, executor, on_progress, t0)
+        return _preprocess(config, found, executor, on_progress, t0)
 
 
 @dataclass(frozen=True)
@@ -183,7 +200,9 @@ def _warm_worker(config: PreprocessConfig) -> _TokenizerFacts:
     return _TokenizerFacts(tokenizer.name, tokenizer.backend, tokenizer.fingerprint, tokenizer.vocab_size)
 
 
-def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: float) -> PreprocessStats:
+def _preprocess(
+    config: PreprocessConfig, found: sources.FoundInputs, executor: Executor, on_progress, t0: float
+) -> PreprocessStats:
     # A Ray worker kept warm from the last job has the tokenizer loaded: its facts spare this process loading it
     # (0.2 s, serial). Otherwise load it here, and do what the engine does lazily on its first call (gigatoken
     # sets up its encoder state: 0.05 s) once, rather than in every forked worker; serial, so no thread pool
@@ -193,16 +212,22 @@ def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: f
         tokenizer = _tokenizer(config, threads=False)
         tokenizer.encode_batch(["warm up"])
     workers = executor.workers
-    files = sources.expand_inputs(config.inputs)
+    files = found.files
     fingerprint = _fingerprint(config, files, tokenizer)
     summary_path = Path(f"{config.output_prefix}.preprocess.json")
-    if config.resume and _already_complete(config, summary_path, fingerprint):
-        saved = json.loads(summary_path.read_text())["stats"]
-        stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
-        stats.already_complete, stats.seconds = True, time.perf_counter() - t0
-        return stats
-
     parts = Path(f"{config.output_prefix}.parts")
+    _remove_debris(parts, summary_path)
+    if config.resume:
+        finished = _finish_commit(parts, fingerprint, t0)
+        if finished is not None:
+            return finished
+        if _already_complete(config, summary_path, fingerprint):
+            _remove_stale_parts(parts, fingerprint)  # a run killed after its commit, before its cleanup
+            saved = json.loads(summary_path.read_text())["stats"]
+            stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
+            stats.already_complete, stats.seconds = True, time.perf_counter() - t0
+            return stats
+
     tasks = _prepare_parts(config, parts, files, workers, fingerprint)
     dtype = indexed.best_dtype(tokenizer.vocab_size)
     done = {t.index: _read_done(parts, t.index) for t in tasks}
@@ -218,30 +243,101 @@ def _preprocess(config: PreprocessConfig, executor: Executor, on_progress, t0: f
         for index in results:
             merger.part_done(index)
         results.update(_run_tasks(job, todo, executor, on_progress, merger))
-        merger.finish()
+        _check_not_empty(results, files)
+        staged = merger.finish()
     except BaseException as e:
         merger.discard()
-        if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        reported = _failure(e, parts)
+        if reported is e:
             raise
-        raise PreprocessError(
-            f"{parts}: {e.strerror.lower()} while writing tokens; finished parts are kept there: free space and "
-            "rerun with --resume, or delete that directory"
-        ) from e
+        raise reported from e
 
     stats = _combine(results, tasks, config, tokenizer, workers, dtype)
+    stats.warnings = _input_warnings(found, results, tasks)
     stats.tasks_resumed, stats.executor = len(tasks) - len(todo), executor.name
     stats.seconds = time.perf_counter() - t0
-    _write_json_atomic(summary_path, {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()})
-    _remove_parts(parts)
+    summary = {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()}
+    _commit(parts, _commit_record(staged, config, summary))
     return stats
 
 
-def _check_output_dir(prefix: str) -> None:
+def _prepare_output(config: PreprocessConfig) -> None:
+    """Create the output directory (as mkdir -p), and refuse what would stop the run only at its end: a final
+    name or the parts directory taken by something of another kind."""
+    prefix = config.output_prefix
+    if prefix.endswith(("/", os.sep)):
+        raise PreprocessError(f"--output-prefix {prefix} names a directory; add a file name, e.g. {prefix}corpus")
     parent = Path(prefix).parent
-    if not parent.is_dir():
-        raise PreprocessError(f"output directory {parent} does not exist; create it first (mkdir -p {parent})")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise PreprocessError(
+            f"output directory {parent}: a part of that path is a file; choose another path"
+        ) from None
+    except PermissionError:
+        raise PreprocessError(f"output directory {parent} cannot be created (permission denied)") from None
     if not os.access(parent, os.W_OK):
         raise PreprocessError(f"output directory {parent} is not writable")
+    finals = [path_of(p) for p in config.output_prefixes() for path_of in (indexed.bin_path, indexed.idx_path)]
+    for path in [*finals, Path(f"{prefix}.preprocess.json")]:
+        if path.exists() and not path.is_file():
+            raise PreprocessError(f"{path} exists and is not a file; move it away or choose another --output-prefix")
+    parts = Path(f"{prefix}.parts")
+    if parts.exists() and not parts.is_dir():
+        raise PreprocessError(
+            f"{parts} exists and is not a directory (preprocess keeps its unfinished parts there); "
+            "move it away or choose another --output-prefix"
+        )
+
+
+def _failure(error: BaseException, parts: Path) -> BaseException:
+    """What a failed run leaves, and the error that says so.
+
+    Bad input is fixed by changing the input (or --json-keys): that changes the fingerprint, so no part of this
+    run could be reused and the parts directory goes. The one exception is a bad record: a rerun with
+    `--on-bad-line skip --resume` reuses the finished parts (they hold no bad record, and skipping is not in the
+    fingerprint), so they stay and the line says so. A full disk, a dead worker or an interrupt keep everything
+    for --resume."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PreprocessError(
+            f"{parts}: {error.strerror.lower()} while writing tokens; finished parts are kept there: free space and "
+            "rerun with --resume, or delete that directory"
+        )
+    if not isinstance(error, (sources.InputError, sources.BadRecordError, PreprocessError)):
+        return error
+    finished = len(list(parts.glob("part-*.done.json"))) if parts.is_dir() else 0
+    if isinstance(error, sources.BadRecordError) and finished:
+        return sources.BadRecordError(
+            f"{error}; the {finished} finished parts are kept in {parts} for a rerun with "
+            "--on-bad-line skip --resume (a fixed input starts over)"
+        )
+    _remove_parts(parts)
+    return error
+
+
+def _check_not_empty(results: dict[int, dict], files: Sequence[Path]) -> None:
+    """An empty dataset is never what was meant: refuse it before anything gets a final name."""
+    if any(r["documents"] for r in results.values()):
+        return
+    records = sum(r["records"] for r in results.values())
+    first_bad = next((r["first_bad"] for r in results.values() if r["first_bad"]), None)
+    shown = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    if records:
+        raise PreprocessError(
+            f"no documents: all {records} records of {shown} were bad and skipped (first: {first_bad}); fix the input"
+        )
+    raise PreprocessError(f"no documents: no input holds a record ({shown}: empty); check the input paths")
+
+
+def _input_warnings(found: sources.FoundInputs, results: dict[int, dict], tasks: list) -> list[str]:
+    warnings = [f"{again}: given more than once (as {first}); read once" for again, first in found.repeated]
+    records: Counter = Counter()
+    for task in tasks:
+        records[task.path] += results[task.index]["records"]
+    for path in found.files:
+        if not records[os.fspath(path)]:
+            warnings.append(f"{path}: no records (an empty input); it adds nothing to the dataset")
+    return warnings
 
 
 def _remove_parts(parts: Path) -> None:
@@ -249,6 +345,8 @@ def _remove_parts(parts: Path) -> None:
     still be writing a done marker in the background, so the directory is renamed away first: a late writer
     then fails on the old path instead of refilling it, and a retry catches one caught between rename and rmtree.
     """
+    if not parts.is_dir():
+        return
     doomed = parts.with_name(f"{parts.name}.removing-{os.getpid()}")
     os.replace(parts, doomed)
     for _ in range(5):
@@ -256,6 +354,89 @@ def _remove_parts(parts: Path) -> None:
         if not doomed.exists():
             return
         time.sleep(0.2)
+
+
+def _remove_debris(parts: Path, summary_path: Path) -> None:
+    """What a killed run leaves outside its parts directory, of no use to anyone: `{parts}.removing-PID` (killed
+    inside `_remove_parts`, when its outputs were final) and a summary's temporary file (killed writing it)."""
+    for doomed in parts.parent.glob(f"{glob.escape(parts.name)}.removing-*"):
+        shutil.rmtree(doomed, ignore_errors=True)
+    for tmp in summary_path.parent.glob(f"{glob.escape(summary_path.name)}.*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def _remove_stale_parts(parts: Path, fingerprint: dict) -> None:
+    """Remove the parts of a finished run (a full copy of its tokens), not those of another, unfinished run."""
+    manifest = parts / "manifest.json"
+    if parts.is_dir() and (not manifest.is_file() or _read_json(manifest).get("fingerprint") == fingerprint):
+        _remove_parts(parts)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# committing: from complete datasets in the parts directory to the final names
+#
+# The outputs are complete, fsynced pairs inside `{prefix}.parts/` before anything gets a final name (the part
+# itself for a one-task input, the concatenation of the parts otherwise). Then `commit.json` records what to
+# rename and the summary to write, and the commit runs: unlink the old summary; for each key, unlink the final
+# .idx, rename the .bin, rename the .idx; write the summary; remove the parts directory. Each step can be done
+# again, so a run killed at any point is finished by `--resume` from the record. The final .idx goes first and
+# comes last: a reader (it opens the .idx, then checks the .bin's size against it) finds the old pair, no .idx,
+# or the new pair; never a .bin beside an .idx that was not written with it. Between keys, one dataset may be new
+# and the next still old: no summary exists then, so none vouches for the set.
+
+
+def _commit_record(staged: list[Path], config: PreprocessConfig, summary: dict) -> dict:
+    finals = config.output_prefixes()
+    return {
+        "fingerprint": summary["fingerprint"],
+        "datasets": [[s.name, Path(f).name] for s, f in zip(staged, finals)],  # in the parts / the output dir
+        "summary": summary,
+    }
+
+
+def _commit(parts: Path, record: dict) -> None:
+    """Write the record, then give the staged datasets their final names (see above); idempotent."""
+    record_path = parts / "commit.json"
+    if not record_path.is_file():
+        _write_json_atomic(record_path, record)
+        indexed.fsync_dir(parts)
+    out_dir = parts.parent
+    summary_path = out_dir / f"{parts.name.removesuffix('.parts')}.preprocess.json"
+    summary_path.unlink(missing_ok=True)  # while keys are half old, half new, no summary vouches for them
+    for staged, final in record["datasets"]:
+        staged, final = parts / staged, out_dir / final
+        if not indexed.idx_path(staged).exists():
+            continue  # committed already: its .idx is the last step
+        indexed.idx_path(final).unlink(missing_ok=True)
+        if indexed.bin_path(staged).exists():
+            os.replace(indexed.bin_path(staged), indexed.bin_path(final))
+        os.replace(indexed.idx_path(staged), indexed.idx_path(final))
+    indexed.fsync_dir(out_dir)
+    _write_json_atomic(summary_path, record["summary"])
+    indexed.fsync_dir(out_dir)
+    _remove_parts(parts)
+
+
+def _finish_commit(parts: Path, fingerprint: dict, t0: float) -> PreprocessStats | None:
+    """Finish the commit of a run killed while committing (its record is in the parts directory); its stats."""
+    record_path = parts / "commit.json"
+    if not record_path.is_file():
+        return None
+    record = _read_json(record_path)
+    if record.get("fingerprint") != fingerprint:
+        return None  # another run's: the manifest check refuses it in words
+    _commit(parts, record)
+    saved = record["summary"]["stats"]
+    stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
+    stats.tasks_resumed, stats.seconds = stats.tasks, time.perf_counter() - t0
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,9 +556,12 @@ _tokenizer_cache: dict = {}
 def _tokenizer(config: PreprocessConfig, threads: bool) -> Tokenizer:
     """Load once per process; forked workers find the parent's copy here."""
     # A file's size and mtime are in the key: a long-lived (Ray pool) worker must not keep a tokenizer that changed.
-    key = (config.tokenizer, config.engine, threads, _stamp(config.tokenizer))
+    key = (config.tokenizer, config.engine, threads, _stamp(config.tokenizer), config.tokenizer_factory)
     if key not in _tokenizer_cache:
-        _tokenizer_cache[key] = load_tokenizer(config.tokenizer, engine=config.engine, threads=threads)
+        if config.tokenizer_factory is not None:
+            _tokenizer_cache[key] = config.tokenizer_factory(threads)
+        else:
+            _tokenizer_cache[key] = load_tokenizer(config.tokenizer, engine=config.engine, threads=threads)
     return _tokenizer_cache[key]
 
 
@@ -421,10 +605,14 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
         for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line):
             tokens = 0
             for writer, texts in zip(writers, batch.texts):
-                flat, lengths = tokenizer.encode_batch(texts)
-                if eod is not None:
-                    flat, lengths = append_eod(flat, lengths, eod)
-                writer.add_documents(flat, lengths)
+                if hasattr(tokenizer, "encode_documents"):  # Megatron's semantics: sentences, empty documents
+                    flat, lengths, counts = tokenizer.encode_documents(texts, eod)
+                    _add_segmented(writer, flat, lengths, counts)
+                else:
+                    flat, lengths = tokenizer.encode_batch(texts)
+                    if eod is not None:
+                        flat, lengths = append_eod(flat, lengths, eod)
+                    writer.add_documents(flat, lengths)
                 tokens += len(flat)
             docs = len(batch.texts[0]) if batch.texts else 0
             stats["documents"] += docs
@@ -472,6 +660,22 @@ def _sync_and_mark(prefixes: list[str], marker: Path, stats: dict) -> None:
     for prefix in prefixes:
         indexed.sync(prefix)
     _write_json_atomic(marker, stats)
+
+
+def _add_segmented(writer: indexed.IndexedDatasetWriter, flat: np.ndarray, lengths: np.ndarray, counts) -> None:
+    """Write documents of `counts[i]` sequences each (0: an empty document, as Megatron writes one); counts=None
+    means one sequence per document, the common case, written without a loop.
+
+    Example: _add_segmented(w, np.array([1, 2, 3]), np.array([2, 1]), np.array([2, 0])) -> 2 documents, 2 sequences
+    """
+    if counts is None:
+        writer.add_documents(flat, lengths)
+        return
+    seq_starts = np.concatenate(([0], np.cumsum(counts)))
+    tok_starts = np.concatenate(([0], np.cumsum(lengths)))
+    for d in range(len(counts)):
+        first, last = seq_starts[d], seq_starts[d + 1]
+        writer.add_documents_with_sequences(flat[tok_starts[first] : tok_starts[last]], lengths[first:last])
 
 
 def append_eod(flat: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
@@ -522,7 +726,8 @@ class _PartMerger:
 
     def __init__(self, config: PreprocessConfig, parts: Path, tasks: list, dtype, executor: Executor) -> None:
         self.keys, self.parts = config.json_keys, Path(os.path.abspath(parts))  # absolute: other nodes may copy
-        self.finals = [os.path.abspath(p) for p in config.output_prefixes()]
+        # The concatenation is staged in the parts directory; the commit (see above) gives it its final name.
+        self.staged = [self.parts / f"all_{key}_document" for key in config.json_keys]
         self.order = [t.index for t in tasks]
         self.dtype, self.executor, self.on_workers = dtype, executor, config.merge_on_workers
         self.done: set[int] = set()
@@ -554,20 +759,18 @@ class _PartMerger:
         if self.on_workers is None:
             self.on_workers = self.executor.nodes > 1
         streams = 0 if self.on_workers else indexed.MERGE_STREAMS
-        self.concatenators = [indexed.DatasetConcatenator(f, self.dtype, streams) for f in self.finals]
+        self.concatenators = [indexed.DatasetConcatenator(f, self.dtype, streams) for f in self.staged]
 
-    def finish(self) -> None:
+    def finish(self) -> list[Path]:
+        """The complete datasets, one per key, under their names in the parts directory, fsynced."""
         if len(self.order) == 1:
-            for key, final in zip(self.keys, self.finals):
-                for path_of in (indexed.bin_path, indexed.idx_path):
-                    os.replace(path_of(self._part(self.order[0], key)), path_of(final))
-            indexed.fsync_dir(Path(self.finals[0]).parent)
-            return
+            return [self._part(self.order[0], key) for key in self.keys]  # durable: its done marker says so
         assert self.concatenators is not None and self.next == len(self.order), "finish() before every part was placed"
         for copy in self.remote_copies:
             copy.result()
         for cat in self.concatenators:
             cat.finalize()
+        return self.staged
 
     def discard(self) -> None:
         wait(self.remote_copies, timeout=60)  # copies on other nodes end before their file is removed

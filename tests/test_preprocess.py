@@ -174,11 +174,13 @@ def test_bad_line_fails_with_one_line_and_skip_exits_3(tmp_path):
 
 @pytest.mark.parametrize(
     "case, message",
-    [("missing-input", "no such file or directory"), ("missing-dir", "does not exist; create it first")],
+    [("missing-input", "no such file or directory"), ("parts-is-a-file", "o.parts exists and is not a directory")],
 )
-def test_missing_input_or_output_dir_is_one_line(tmp_path, case, message):
+def test_missing_input_or_a_taken_output_path_is_one_line(tmp_path, case, message):
+    # (a missing output directory is created: tests/test_preprocess_faults.py)
     src = write_jsonl(tmp_path / "c.jsonl", ["x"])
-    args = {"missing-input": (tmp_path / "nope.jsonl", tmp_path / "o"), "missing-dir": (src, tmp_path / "no/dir/o")}
+    (tmp_path / "o.parts").write_text("mine")
+    args = {"missing-input": (tmp_path / "nope.jsonl", tmp_path / "o"), "parts-is-a-file": (src, tmp_path / "o")}
     proc = run("preprocess", args[case][0], "--output-prefix", args[case][1], check=False)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
     assert "Traceback" not in proc.stderr and debris(tmp_path) == []
