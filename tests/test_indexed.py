@@ -469,6 +469,79 @@ def test_faults_in_the_middle_are_refused_on_open(good, corrupt, message):
         ds.validate()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, indexed.CHECK_CHUNK])
+def test_check_index_finds_the_first_fault_wherever_the_chunks_fall(monkeypatch, chunk):
+    """check_index walks the arrays in chunks: a fault at any position, on either side of a chunk boundary, is
+    found and named by its own index."""
+    monkeypatch.setattr(indexed, "CHECK_CHUNK", chunk)
+    lengths = np.random.default_rng(0).integers(0, 9, 11).astype(np.int32)
+    pointers, doc = indexed.sequence_pointers(lengths, 2), np.arange(12, dtype=np.int64)
+    check = lambda lengths, pointers, doc: indexed.check_index(  # noqa: E731
+        "x.idx", np.dtype(np.uint16), lengths, pointers, doc, int(lengths.sum()) * 2, "x.bin"
+    )
+    check(lengths, pointers, doc)  # sound
+    for i in range(1, 10):  # the last pointer is the O(1) check's
+        bad = pointers.copy()
+        bad[i] += 2
+        with pytest.raises(
+            IndexedFormatError, match=rf"sequence {i} points at byte {bad[i]}, .* put it at {pointers[i]}"
+        ):
+            check(lengths, bad, doc)
+        bad = doc.copy()
+        bad[i] = doc[i + 1] + 1
+        with pytest.raises(IndexedFormatError, match=rf"document indices decrease at {i} "):
+            check(lengths, pointers, bad)
+    for i in range(11):
+        bad = lengths.copy()
+        bad[i] = -1
+        with pytest.raises(IndexedFormatError, match=rf"negative sequence length at {i} "):
+            check(bad, indexed.sequence_pointers(bad, 2), doc)
+
+
+def test_empty_and_documentless_indexes(tmp_path):
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.int64))
+    indexed.check_index("x.idx", np.dtype(np.int32), *empty, np.array([0]), 0, "x.bin")  # S = 0, D = 1: sound
+    with pytest.raises(IndexedFormatError, match=r"must run from 0 to the sequence count 0, found \[\]\.\.\[\]"):
+        indexed.check_index("x.idx", np.dtype(np.int32), *empty, np.zeros(0, np.int64), 0, "x.bin")
+
+
+@pytest.mark.parametrize(
+    "name,found",
+    [
+        ("corpus_text_document", ("corpus", "text")),
+        ("my_corpus_raw_text_document", ("my_corpus", "raw_text")),  # the key's own underscore: the one on disk wins
+        ("corpus_text_sentence", None),
+        ("part-00000_text_document", None),
+    ],
+)
+def test_preprocess_summary_is_found_by_the_output_naming(tmp_path, name, found):
+    for stem in ("corpus", "my_corpus"):
+        (tmp_path / f"{stem}.preprocess.json").write_text("{}")
+    got = indexed.preprocess_summary(tmp_path / name)
+    assert got == (None if found is None else (tmp_path / f"{found[0]}.preprocess.json", found[1]))
+
+
+def test_recorded_dtype_that_cannot_be_read_is_ignored(good):
+    (good.parent / "x.preprocess.json").write_text("not json")
+    good_named = good.parent / "x_text_document"
+    for ext in (".bin", ".idx"):
+        good.with_suffix(ext).rename(f"{good_named}{ext}")
+    IndexedDataset(good_named)  # a hint about the data, not the data: no refusal
+    (good.parent / "x.preprocess.json").write_text('{"config": {"json_keys": ["text"]}, "stats": {"dtype": "int64"}}')
+    with pytest.raises(IndexedFormatError, match=r"dtype code 4 \(int32\), but x\.preprocess\.json records .* int64"):
+        IndexedDataset(good_named)
+
+
+def test_token_sample_reads_the_start_middle_and_end(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(100, dtype=np.int32).tofile(path)
+    sample, positions = indexed.read_token_sample(path, np.int32, n=10)
+    np.testing.assert_array_equal(positions, [*range(10), *range(45, 55), *range(90, 100)])
+    np.testing.assert_array_equal(sample, positions)
+    sample, positions = indexed.read_token_sample(path, np.int32, n=1000)  # windows longer than the file
+    assert set(positions.tolist()) == set(range(100)) and (sample == positions).all()
+
+
 @pytest.mark.parametrize("missing", [".bin", ".idx"])
 def test_missing_file_is_named(good, missing):
     good.with_suffix(missing).unlink()
