@@ -393,6 +393,8 @@ class _GzipStream(io.RawIOBase):
         except EOFError as e:  # "Compressed file ended before the end-of-stream marker was reached"
             raise _truncated(self._path, "gzip", "a member") from e
         except (OSError, zlib.error) as e:  # a bad header, CRC or length; damaged deflate data
+            if isinstance(e, OSError) and e.errno is not None:
+                raise  # the disk or the network failed, not the file's contents: no verdict on the file
             raise _corrupt(self._path, "gzip", e) from e
 
 
@@ -573,6 +575,8 @@ def _read_parquet(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[Reco
         try:
             table = next(batches, None)
         except (pa.ArrowException, OSError) as e:  # a damaged page: the rows from it on are unreadable
+            if isinstance(e, OSError) and e.errno is not None:
+                raise  # an I/O error, not the file's contents
             raise InputError(
                 f"{task.path}: a damaged parquet file (pyarrow: {first_line(e)}); re-download or re-write it"
             ) from None

@@ -250,6 +250,18 @@ def test_a_truncated_compressed_input_fails_the_run_whatever_on_bad_line(tmp_pat
     assert leftovers(tmp_path) == [] and not list(tmp_path.glob("o_*"))
 
 
+def test_the_cli_exits_1_on_a_truncated_input_even_when_skipping_bad_lines(tmp_path):
+    src = tmp_path / "c.jsonl.zst"
+    src.write_bytes(zstandard.ZstdCompressor().compress(write_jsonl(tmp_path / "g.jsonl", 300).read_bytes())[:-40])
+    cmd = [*CLI, "preprocess", src, "--output-prefix", tmp_path / "x", "--on-bad-line", "skip"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        f"corpusforge: error: {src}: truncated zstd stream (the file ends inside frame 1), so the rest of its "
+        "records are missing; re-download or re-compress the file"
+    ]
+    assert not list(tmp_path.glob("x*"))
+
+
 def test_empty_and_repeated_inputs_are_warned_about_and_read_once(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", 30)
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl.gz"
