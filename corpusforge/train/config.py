@@ -44,6 +44,61 @@ class ConfigError(CorpusforgeError, ValueError):
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks share the work: four degrees on one DeviceMesh (pp, dp_replicate, dp_shard, tp) whose product
+    is the world size; -1 on one of them means "what the others leave". The section [parallel] of a config file;
+    overrides as `parallel.tp=2`. The old `parallel = "ddp"` / `"fsdp"` still work (dp_replicate=-1 / dp_shard=-1).
+
+        [parallel]
+        dp_shard = -1      # FSDP2 over what tp and pp leave
+        tp = 2             # each layer split over 2 ranks (Megatron tensor + sequence parallel)
+        pp = 2             # the layers split into 2 stages
+    """
+
+    dp_replicate: int = -1
+    """Data-parallel replicas: DDP, or HSDP's replicate dimension when dp_shard > 1; -1: inferred."""
+
+    dp_shard: int = 1
+    """FSDP2 (`fully_shard`) degree: parameters, gradients and optimizer state split over this many ranks; -1:
+    inferred."""
+
+    tp: int = 1
+    """Tensor-parallel degree: q/k/v and MLP-in split by columns, out-projections by rows, the vocabulary of the
+    embedding and head split too; must divide the heads, the KV heads and the MLP width."""
+
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into pp stages (torch.distributed.pipelining)."""
+
+    sequence_parallel: bool = True
+    """With tp > 1: norms and dropout on 1/tp of the sequence each (Korthikanti et al. 2022), activations cut."""
+
+    loss_parallel: bool = True
+    """With tp > 1: cross-entropy on vocabulary-sharded logits, never gathering the full (B, T, V) logits."""
+
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble (the
+    interleaved, looped and ZB-V schedules put 2 stages on each rank)."""
+
+    pp_microbatches: int = 0
+    """Micro-batches each micro_batch_size batch is cut into on its way through the pipeline; 0: the number of
+    stages. More shrink the bubble; each must keep at least one sample."""
+
+    pp_layers: list[int] = field(default_factory=list)
+    """Layers per stage, e.g. [5, 6, 6, 5]; empty: balanced by parameter count (the embedding and head count)."""
+
+    activation_checkpoint: str = "none"
+    """"none", "selective" (keep matmul and attention outputs, recompute the rest) or "full" (recompute each
+    block in the backward pass): memory for compute."""
+
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory (dp_shard > 1 only)."""
+
+
+PARALLEL_LEGACY = {"ddp": {"dp_replicate": -1, "dp_shard": 1}, "fsdp": {"dp_replicate": 1, "dp_shard": -1}}
+PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run reads. Sizes in tokens are global (all ranks together)."""
 
@@ -74,7 +129,12 @@ class TrainConfig:
 
     # -- model -------------------------------------------------------------------------------------------------
     model: str = "gpt2-124m"
-    """Model preset: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, or "custom" (then n_layer, n_head, n_embd)."""
+    """Model preset: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; llama3-1b, llama3-3b (Llama 3.2), llama3-8b,
+    llama3-70b (Llama 3.1), llama3-tiny; or "custom" (then model_family, n_layer, n_head, n_embd)."""
+
+    model_family: str = "auto"
+    """"gpt2" (GPT-2: LayerNorm, GELU, learned positions, tied head) or "llama" (Llama 3: RMSNorm, RoPE, SwiGLU,
+    grouped-query attention); "auto": the preset's family, gpt2 for "custom"."""
 
     n_layer: int = 0
     """Transformer blocks; 0: from the preset."""
@@ -84,6 +144,15 @@ class TrainConfig:
 
     n_embd: int = 0
     """Model width; 0: from the preset."""
+
+    n_kv_head: int = 0
+    """Llama: key/value heads (grouped-query attention); 0: from the preset, or n_head."""
+
+    ffn_hidden: int = 0
+    """Llama: SwiGLU MLP width; 0: from the preset, or Llama's rule (8/3 n_embd rounded up to 256)."""
+
+    rope_theta: float = 0.0
+    """Llama: rotary base; 0: from the preset, or 500000 (Llama 3)."""
 
     vocab_size: int = 100277
     """Tokenizer vocabulary (cl100k_base: 100277, GPT-2: 50257); the embedding is padded to a multiple of 128."""
@@ -172,8 +241,10 @@ class TrainConfig:
     compile: bool | str = "auto"
     """torch.compile the model: "auto" (on for GPU, off for CPU), true or false."""
 
-    parallel: str = "ddp"
-    """"ddp" (replicated model) or "fsdp" (FSDP2 fully_shard: parameters, gradients and optimizer state sharded)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the ranks share the work: the section [parallel] with ParallelConfig's keys (dp_replicate, dp_shard,
+    tp, pp, sequence_parallel, loss_parallel, pp_schedule, pp_microbatches, pp_layers, activation_checkpoint,
+    cpu_offload); `parallel = "ddp"` or `"fsdp"` as before."""
 
     peak_flops: float = 0.0
     """Peak bf16 FLOP/s of one device for MFU; 0: look the device up in the table in metrics.py."""
@@ -181,6 +252,12 @@ class TrainConfig:
     # ----------------------------------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
+        if isinstance(self.parallel, str):
+            if self.parallel not in PARALLEL_LEGACY:
+                raise ConfigError(
+                    f"parallel = {self.parallel!r}: choose one of {list(PARALLEL_LEGACY)} or set [parallel]"
+                )
+            object.__setattr__(self, "parallel", ParallelConfig(**PARALLEL_LEGACY[self.parallel]))
         _check_types(self)
         _check_values(self)
 
@@ -194,10 +271,40 @@ class TrainConfig:
                 options[key] = "<redacted>"
         return out
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config of a `to_dict()` (config.json of a run): sections become their dataclasses again."""
+        values = dict(values)
+        if isinstance(values.get("storage"), dict):
+            values["storage"] = storage_config(values["storage"])
+        if isinstance(values.get("parallel"), dict):
+            values["parallel"] = ParallelConfig(**values["parallel"])
+        return cls(**values)
+
+    @property
+    def family(self) -> str:
+        """ "gpt2" or "llama"."""
+        if self.model_family != "auto":
+            return self.model_family
+        return "llama" if self.model in LLAMA_PRESETS else "gpt2"
+
     def model_shape(self) -> tuple[int, int, int]:
         """(n_layer, n_head, n_embd): the preset's, with any non-zero key taking precedence."""
-        base = PRESETS.get(self.model, (0, 0, 0))
+        base = PRESETS.get(self.model) or LLAMA_PRESETS.get(self.model, {}).get("shape", (0, 0, 0))
         return tuple(mine or theirs for mine, theirs in zip((self.n_layer, self.n_head, self.n_embd), base))  # type: ignore
+
+    def llama_shape(self) -> dict[str, Any]:
+        """n_kv_head, ffn_hidden, rope_theta, rope_scaling, tie_embeddings: the preset's, non-zero keys first."""
+        preset = LLAMA_PRESETS.get(self.model, {})
+        n_head, n_embd = self.model_shape()[1:]
+        hidden = 256 * -(-int(8 * n_embd / 3) // 256)  # Llama's rule without ffn_dim_multiplier
+        return {
+            "n_kv_head": self.n_kv_head or preset.get("n_kv_head", n_head),
+            "ffn_hidden": self.ffn_hidden or preset.get("ffn_hidden", hidden),
+            "rope_theta": self.rope_theta or preset.get("rope_theta", 500000.0),
+            "rope_scaling": preset.get("rope_scaling", 0.0),
+            "tie_embeddings": preset.get("tie_embeddings", False),
+        }
 
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -208,14 +315,30 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt2-1.5b": (48, 25, 1600),
 }
 
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    # shape = (n_layer, n_head, n_embd); the rest from Meta's published config.json of each model on the Hugging
+    # Face hub (meta-llama/Llama-3.2-1B, -3B, Llama-3.1-8B, -70B): ffn_hidden = intermediate_size, rope_scaling =
+    # the "llama3" factor; 3.2 1B and 3B tie the embedding to the head, 3.1 does not.
+    "llama3-1b": {"shape": (16, 32, 2048), "n_kv_head": 8, "ffn_hidden": 8192, "rope_theta": 500000.0,
+                  "rope_scaling": 32.0, "tie_embeddings": True},
+    "llama3-3b": {"shape": (28, 24, 3072), "n_kv_head": 8, "ffn_hidden": 8192, "rope_theta": 500000.0,
+                  "rope_scaling": 32.0, "tie_embeddings": True},
+    "llama3-8b": {"shape": (32, 32, 4096), "n_kv_head": 8, "ffn_hidden": 14336, "rope_theta": 500000.0,
+                  "rope_scaling": 8.0},
+    "llama3-70b": {"shape": (80, 64, 8192), "n_kv_head": 8, "ffn_hidden": 28672, "rope_theta": 500000.0,
+                   "rope_scaling": 8.0},
+    # a CPU-sized model with every feature of the family (GQA 4:2, untied), for tests and a laptop run
+    "llama3-tiny": {"shape": (2, 4, 64), "n_kv_head": 2, "ffn_hidden": 192, "rope_theta": 10000.0},
+}  # fmt: skip
+
 # storage_options keys whose values are not written to config.json (s3fs: key, secret, token; others: password).
 SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
 CHOICES = {
-    "model": [*PRESETS, "custom"],
+    "model": [*PRESETS, *LLAMA_PRESETS, "custom"],
+    "model_family": ["auto", "gpt2", "llama"],
     "device": ["auto", "cuda", "cpu"],
     "dtype": ["auto", "bfloat16", "float32"],
-    "parallel": ["ddp", "fsdp"],
     "data_source": ["loader", "synthetic"],
 }
 
@@ -280,6 +403,41 @@ def _check_values(cfg: TrainConfig) -> None:
     n_head, n_embd = cfg.model_shape()[1:]
     if n_embd % n_head:
         raise ConfigError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
+    for key in ["n_kv_head", "ffn_hidden", "rope_theta"]:
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} = {getattr(cfg, key)}: must not be negative")
+    if cfg.family == "llama" and n_head % cfg.llama_shape()["n_kv_head"]:
+        raise ConfigError(f"n_head {n_head} is not a multiple of n_kv_head {cfg.llama_shape()['n_kv_head']}")
+    _check_parallel(cfg.parallel)
+
+
+def _check_parallel(p: ParallelConfig) -> None:
+    """Each [parallel] value on its own; whether the degrees fit the world size and the model is checked by
+    corpusforge.train.parallel.resolve_layout once the world size is known."""
+    hints = typing.get_type_hints(ParallelConfig)
+    for f in fields(p):
+        value = getattr(p, f.name)
+        if not _accepts(hints[f.name], value):
+            raise ConfigError(f"parallel.{f.name} = {value!r}: expected {hints[f.name]}")
+    degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+    for key, value in degrees.items():
+        if value < 1 and value != -1:
+            raise ConfigError(f"parallel.{key} = {value}: give a degree of at least 1, or -1 to infer it")
+    if sum(v == -1 for v in degrees.values()) > 1:
+        inferred = [k for k, v in degrees.items() if v == -1]
+        raise ConfigError(f"parallel: {' and '.join(inferred)} are both -1 (inferred); set all but one of them")
+    if p.pp_schedule not in PP_SCHEDULES:
+        close = difflib.get_close_matches(p.pp_schedule, PP_SCHEDULES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r}: choose one of {PP_SCHEDULES}{hint}")
+    if p.activation_checkpoint not in ("none", "selective", "full"):
+        raise ConfigError(
+            f'parallel.activation_checkpoint = {p.activation_checkpoint!r}: "none", "selective" or "full"'
+        )
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallel.pp_microbatches = {p.pp_microbatches}: must not be negative")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in p.pp_layers):
+        raise ConfigError(f"parallel.pp_layers = {p.pp_layers!r}: give a positive count of layers per stage")
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -344,7 +502,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides."""
     known = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {}
-    storage: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {"storage": {}, "parallel": {}}
     if path is not None:
         path = Path(path)
         try:
@@ -354,30 +512,65 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         for key, value in data.items():
-            if key == "storage":
+            if key == "parallel" and isinstance(value, str):  # the old parallel = "ddp" / "fsdp"
+                sections["parallel"].update(_legacy_parallel(value, str(path)))
+                continue
+            if key in sections:
                 if not isinstance(value, dict):
-                    raise ConfigError(f"{path}: storage must be the section [storage], got {value!r}")
-                storage.update(value)
+                    raise ConfigError(f"{path}: {key} must be the section [{key}], got {value!r}")
+                sections[key].update(value)
                 continue
             if isinstance(value, dict):
-                raise ConfigError(f"{path}: [{key}]: sections are not used (except [storage]); write flat lines")
+                raise ConfigError(
+                    f"{path}: [{key}]: sections are not used (except [storage] and [parallel]); write flat lines"
+                )
             if key not in known:
                 raise _unknown_key(key, str(path))
             values[key] = value
     for text in overrides:
         key, value = parse_override(text)
         if key.startswith("storage."):
-            _set_dotted(storage, key.split(".")[1:], value, text)
+            _set_dotted(sections["storage"], key.split(".")[1:], value, text)
+            continue
+        if key.startswith("parallel."):
+            sections["parallel"][key.partition(".")[2]] = value
+            continue
+        if key == "parallel" and isinstance(value, str):
+            sections["parallel"].update(_legacy_parallel(value, f"override {text!r}"))
             continue
         if key not in known:
             raise _unknown_key(key, f"override {text!r}")
         values[key] = value
-    if storage:
-        values["storage"] = storage_config(storage, f"{path or 'config'}: [storage]")
+    if sections["storage"]:
+        values["storage"] = storage_config(sections["storage"], f"{path or 'config'}: [storage]")
+    if sections["parallel"]:
+        values["parallel"] = parallel_config(sections["parallel"], f"{path or 'config'}: [parallel]")
     try:
         return TrainConfig(**values)
     except ConfigError as e:
         raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def _legacy_parallel(value: str, where: str) -> dict[str, int]:
+    if value not in PARALLEL_LEGACY:
+        raise ConfigError(f"{where}: parallel = {value!r}: choose one of {list(PARALLEL_LEGACY)} or set parallel.KEY")
+    return dict(PARALLEL_LEGACY[value])
+
+
+def parallel_config(values: dict[str, Any], where: str = "[parallel]") -> ParallelConfig:
+    """A ParallelConfig from the [parallel] section's values; unknown keys are ConfigErrors with a suggestion.
+
+    Example:
+        >>> parallel_config({"tp": 2, "dp_shard": -1}).tp
+        2
+    """
+    names = [f.name for f in fields(ParallelConfig)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
+    return ParallelConfig(**values)
 
 
 def _set_dotted(table: dict[str, Any], keys: list[str], value: Any, text: str) -> None:
@@ -427,6 +620,13 @@ def describe_keys() -> str:
             for sf in fields(StorageConfig):
                 default = sf.default if sf.default is not MISSING else sf.default_factory()  # type: ignore[misc]
                 lines.append(f"storage.{sf.name} = {json.dumps(default)}\n    {docs.get(sf.name, '')}")
+            continue
+        if f.name == "parallel":
+            lines.append(f"[parallel]\n    {key_docs().get(f.name, '')}")
+            docs = _attribute_docs(ParallelConfig)
+            for pf in fields(ParallelConfig):
+                default = pf.default if pf.default is not MISSING else pf.default_factory()  # type: ignore[misc]
+                lines.append(f"parallel.{pf.name} = {json.dumps(default)}\n    {docs.get(pf.name, '')}")
             continue
         default = f.default if f.default is not MISSING else "(required)"
         lines.append(f"{f.name} = {json.dumps(default)}\n    {key_docs().get(f.name, '')}")

@@ -46,19 +46,23 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
+        # q, k, v as three matrices (GPT-2's checkpoint fuses them in c_attn; export-hf fuses them back) so that
+        # tensor parallelism can split each by whole heads
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual = True  # scaled at init, see GPT._init_weights
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        # -1 rather than n_head: under tensor parallelism each rank holds n_head / tp of the heads
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -97,7 +101,9 @@ class GPT(nn.Module):
                 wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
                 drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                # a ModuleDict keyed "0".. (same state-dict keys as a ModuleList) so that a pipeline stage that
+                # drops layers keeps the others' names
+                h=nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)}),
                 ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
             )
         )
@@ -118,17 +124,22 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) of int64 tokens `idx` (B, T); positions default to 0..T-1."""
-        B, T = idx.shape
+        """Logits (B, T, V) of int64 tokens `idx` (B, T); positions default to 0..T-1. A pipeline stage without the
+        embeddings (set to None) takes hidden states (B, T, C) instead, and one without the head returns them."""
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
+        x = idx
+        if self.transformer.wte is not None:
+            if position_ids is None:
+                position_ids = torch.arange(T, device=idx.device)  # (T,)
+            x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
+            x = self.transformer.drop(x)
+        for block in self.transformer.h.values():
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        if self.transformer.ln_f is not None:
+            x = self.transformer.ln_f(x)
+        return self.lm_head(x) if self.lm_head is not None else x  # (B, T, V)
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding when embeddings=False, as in
@@ -149,5 +160,7 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
     logits (B, T, V), labels (B, T) int64, loss_mask (B, T) float32.
     """
     per_token = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), reduction="none")  # (B*T,)
+    if hasattr(per_token, "full_tensor"):  # vocabulary-sharded logits under loss_parallel: the per-token losses
+        per_token = per_token.full_tensor()  # are replicated already, so this is no communication
     mask = loss_mask.view(-1)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

@@ -25,9 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from corpusforge.data.loader import LoaderStateError
 from corpusforge.train import checkpoint as ckpt
+from corpusforge.train import llama
+from corpusforge.train import parallel as par
 from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps
 from corpusforge.train.data import TrainData, build_data, check_vocab
+from corpusforge.train.llama import Llama, LlamaConfig
 from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, percentiles_ms
 from corpusforge.train.model import GPT, GPTConfig, flops_per_token, loss_fn
 from corpusforge.train.optim import lr_at, make_optimizer
@@ -94,40 +98,76 @@ def gpt_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(n_layer, n_head, n_embd, cfg.vocab_size, cfg.seq_length, cfg.dropout, cfg.bias)
 
 
-def model_shape(g: GPTConfig) -> dict[str, int]:
+def model_config(cfg: TrainConfig) -> GPTConfig | LlamaConfig:
+    """The model config of the run's family."""
+    if cfg.family == "gpt2":
+        return gpt_config(cfg)
+    n_layer, n_head, n_embd = cfg.model_shape()
+    return LlamaConfig(n_layer, n_head, n_embd=n_embd, vocab_size=cfg.vocab_size, block_size=cfg.seq_length,
+                       dropout=cfg.dropout, **cfg.llama_shape())  # fmt: skip
+
+
+def build_model(mcfg: GPTConfig | LlamaConfig) -> GPT | Llama:
+    return Llama(mcfg) if isinstance(mcfg, LlamaConfig) else GPT(mcfg)
+
+
+def model_shape(g: GPTConfig | LlamaConfig) -> dict[str, int]:
     """What a checkpoint must match to be resumed into this model."""
-    return {
+    shape = {
         "n_layer": g.n_layer,
         "n_head": g.n_head,
         "n_embd": g.n_embd,
         "padded_vocab": g.padded_vocab,
         "block_size": g.block_size,
-        "bias": int(g.bias),
     }
+    if isinstance(g, LlamaConfig):
+        return {"family": "llama", **shape, "n_kv_head": g.n_kv_head, "ffn_hidden": g.ffn_hidden,
+                "tie_embeddings": int(g.tie_embeddings)}  # fmt: skip
+    return {**shape, "bias": int(g.bias)}
 
 
-def memory_estimate(g: GPTConfig, n_params: int, cfg: TrainConfig, world: int, dtype: torch.dtype) -> dict:
-    """Rough per-device bytes: fp32 weights + grads + AdamW moments (16 B/param, divided by ranks under FSDP);
-    activations ~34·T·B·C bytes per layer in 16-bit with flash attention (Korthikanti et al. 2022, table 2,
-    without the 5·a·T² score term), doubled in fp32; logits B·T·V in the autocast dtype plus fp32 copy and grad."""
+def memory_estimate(g: GPTConfig | LlamaConfig, n_params: int, cfg: TrainConfig, layout: par.Layout,
+                    dtype: torch.dtype) -> dict:  # fmt: skip
+    """Rough bytes on the most loaded rank: fp32 weights + grads + AdamW moments (16 B/param), divided by tp, by pp
+    (by the largest stage's share) and by dp_shard; activations ~34·T·B·C bytes per layer in 16-bit with flash
+    attention (Korthikanti et al. 2022, table 2, without the 5·a·T² score term; /tp with sequence parallel, as
+    their table 4), doubled in fp32, times the micro-batches a 1F1B stage holds; logits B·T·V/tp in the autocast
+    dtype plus fp32 copy and grad."""
     b, t, c = cfg.micro_batch_size, cfg.seq_length, g.n_embd
     half = dtype in (torch.bfloat16, torch.float16)
-    states = 16 * n_params // (world if cfg.parallel == "fsdp" else 1)
-    activations = (34 if half else 68) * t * b * c * g.n_layer
-    logits = b * t * g.padded_vocab * ((2 if half else 4) + 8)
-    return {
-        "states_gb": states / 1e9,
-        "activations_gb": activations / 1e9,
-        "logits_gb": logits / 1e9,
-        "total_gb": (states + activations + logits) / 1e9,
-    }
+    share = 1.0
+    if layout.pp > 1:
+        per_layer, first, last = par.stage_weights(g)
+        sizes = [len(s) * per_layer + (first if i == 0 else 0) + (last if i == len(layout.stage_layers) - 1 else 0)
+                 for i, s in enumerate(layout.stage_layers)]  # fmt: skip
+        share = max(sizes) * len(sizes) / layout.pp / max(1, sum(sizes))  # stages per rank x the largest stage
+    params = n_params * share / layout.tp
+    weights = params * 4 / (layout.dp_shard if layout.fsdp else 1)
+    grads, optimizer = weights, 2 * weights
+    layers = g.n_layer * share
+    in_flight = layout.pp if layout.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches' activations
+    micro_b = b / (layout.microbatches if layout.pp > 1 else 1)
+    tp_act = layout.tp if cfg.parallel.sequence_parallel else 1
+    activations = (34 if half else 68) * t * micro_b * c * layers * in_flight / tp_act
+    ac = cfg.parallel.activation_checkpoint
+    if ac == "full":  # only each block's input is kept: 2·T·B·C bytes (4 in fp32)
+        activations = (2 if half else 4) * t * micro_b * c * layers * in_flight / tp_act
+    elif ac == "selective":
+        activations *= 0.6  # the pointwise outputs recomputed (torchtitan reports ~40% saved with op-level SAC)
+    logits = b * t * g.padded_vocab * ((2 if half else 4) + 8) / layout.tp
+    out = {"params_gb": weights, "grads_gb": grads, "optimizer_gb": optimizer, "activations_gb": activations,
+           "logits_gb": logits}  # fmt: skip
+    out = {k: v / 1e9 for k, v in out.items()}
+    out["total_gb"] = sum(out.values())
+    return out
 
 
 @dataclass
 class Plan:
     cfg: TrainConfig
     rt: Runtime
-    gpt: GPTConfig
+    gpt: GPTConfig | LlamaConfig  # the model config, of either family
+    layout: par.Layout
     grad_accum: int
     n_params: int
     flops_per_token: int
@@ -137,6 +177,15 @@ class Plan:
     step_model: torch.nn.Module | None = None  # what forward passes call (DDP wrapper or the model)
     optimizer: torch.optim.Optimizer | None = None
     resume_from: Path | None = None
+    mesh: Any = None  # the DeviceMesh (pp, dp_replicate, dp_shard, tp) when the layout needs one
+
+    def loss_context(self):
+        """loss_parallel() when the head's logits stay vocabulary-sharded (forward and backward both need it)."""
+        if self.layout.tp > 1 and self.cfg.parallel.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def summary(self) -> dict[str, Any]:
         steps = self.cfg.max_steps
@@ -146,7 +195,8 @@ class Plan:
             "params": self.n_params,
             "ranks": self.rt.world_size,
             "device": str(self.rt.device),
-            "parallel": self.cfg.parallel,
+            "family": self.cfg.family,
+            "layout": {d: getattr(self.layout, d) for d in par.DIMS},
             "micro_batch_size": self.cfg.micro_batch_size,
             "grad_accum": self.grad_accum,
             "tokens_per_step": self.cfg.global_batch_tokens,
@@ -174,49 +224,42 @@ def find_resume(cfg: TrainConfig, shape: dict[str, int]) -> Path | None:
     return path
 
 
-def prepare(cfg: TrainConfig, rt: Runtime, dry_run: bool = False) -> Plan:
+def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = False) -> Plan:
     """Check the config against the world size, the checkpoint and the data, then build the model (on the meta
-    device for a dry run, so that a 1.5B plan takes seconds and no memory)."""
-    accum = grad_accum_steps(cfg, rt.world_size)
-    g = gpt_config(cfg)
+    device for a dry run, so that a 70B plan takes seconds and no memory) and lay it out over the ranks."""
+    accum = grad_accum_steps(cfg, layout.dp)
+    g = model_config(cfg)
     resume_from = find_resume(cfg, model_shape(g))
-    data = build_data(cfg, rt.rank, rt.world_size, rt.barrier if rt.distributed else None, rt.device)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards them, DDP checks them)
+    data = build_data(cfg, layout.dp_rank(rt.rank), layout.dp, rt.barrier if rt.distributed else None, rt.device)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP and TP shard them, DDP checks them)
     with torch.device("meta" if dry_run else rt.device):
-        model = GPT(g)
+        model = build_model(g)
     n_params = model.num_params()
-    plan = Plan(
-        cfg,
-        rt,
-        g,
-        accum,
-        n_params,
-        flops_per_token(g, model.num_params(embeddings=False), cfg.seq_length),
-        memory_estimate(g, n_params, cfg, rt.world_size, autocast_dtype(cfg, rt.device)),
-        data=data,
-        resume_from=resume_from,
+    fpt = (llama.flops_per_token if isinstance(g, LlamaConfig) else flops_per_token)(
+        g, model.num_params(embeddings=False), cfg.seq_length
     )
+    dtype = autocast_dtype(cfg, rt.device)
+    plan = Plan(cfg, rt, g, layout, accum, n_params, fpt, memory_estimate(g, n_params, cfg, layout, dtype),
+                data=data, resume_from=resume_from)  # fmt: skip
     if dry_run:
         return plan
-    plan.model, plan.step_model = wrap_model(model, cfg, rt)
+    plan.model, plan.step_model = wrap_model(model, cfg, rt, layout, plan)
     plan.optimizer = make_optimizer(plan.model, cfg, rt.device)
     return plan
 
 
-def wrap_model(model: GPT, cfg: TrainConfig, rt: Runtime) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(model to save, model to call): torch.compile in place (state-dict keys unchanged), then DDP or FSDP2."""
+def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.Layout,
+               plan: Plan) -> tuple[torch.nn.Module, torch.nn.Module]:  # fmt: skip
+    """(model to save, model to call): the parallel plan (TP/SP, activation checkpointing, FSDP2/HSDP) on a mesh
+    when the layout needs one; else torch.compile in place (state-dict keys unchanged), then DDP or nothing."""
     compiled = use_compile(cfg, rt.device)
-    if cfg.parallel == "fsdp" and rt.distributed:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        dtype = autocast_dtype(cfg, rt.device)
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.transformer.h:  # one all-gather per block, as torchtitan does
-            if compiled:
-                block.compile()
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+    if layout.tp > 1 or layout.pp > 1 or layout.fsdp:
+        plan.mesh = par.build_mesh(layout, rt.device.type)
+        par.parallelize(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
+        if compiled and not layout.fsdp:
+            model.compile()
         return model, model
+    par.apply_ac(model, cfg.parallel.activation_checkpoint)
     if compiled:
         model.compile()
     if rt.distributed:
@@ -293,15 +336,14 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
     for micro in range(plan.grad_accum):
         batch, wait = stream.next()
         waited += wait
-        with grad_sync(plan, micro == plan.grad_accum - 1), autocast(plan):
-            logits = plan.step_model(batch["tokens"], batch["position_ids"])  # (B, T, V)
-            loss = loss_of(logits, batch["labels"], batch["loss_mask"]) / plan.grad_accum
-        loss.backward()
+        with grad_sync(plan, micro == plan.grad_accum - 1), plan.loss_context():
+            with autocast(plan):
+                logits = plan.step_model(batch["tokens"], batch["position_ids"])  # (B, T, V), maybe V-sharded
+                loss = loss_of(logits, batch["labels"], batch["loss_mask"]) / plan.grad_accum
+            loss.backward()
         loss_sum += loss.detach()
     clip = plan.cfg.grad_clip if plan.cfg.grad_clip > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(plan.model.parameters(), clip)
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-        norm = norm.full_tensor()
+    norm = par.clip_grad_norm_(list(plan.model.parameters()), clip)
     plan.optimizer.step()
     plan.optimizer.zero_grad(set_to_none=True)
     return all_mean(loss_sum, plan), norm, waited
@@ -317,7 +359,7 @@ def evaluate(plan: Plan, loss_of) -> float:
     total = torch.zeros((), device=plan.rt.device)
     for _ in range(plan.cfg.eval_batches):
         batch, _ = stream.next()
-        with autocast(plan):
+        with autocast(plan), plan.loss_context():
             total += loss_of(
                 plan.step_model(batch["tokens"], batch["position_ids"]), batch["labels"], batch["loss_mask"]
             )
@@ -370,7 +412,11 @@ def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: Met
 def resume(plan: Plan, log: Log) -> int:
     """Load the checkpoint into the model, optimizer, loader and RNGs; returns the step to continue after."""
     state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer)
-    plan.data.train.load_state_dict(state["loader"])
+    try:
+        plan.data.train.load_state_dict(state["loader"])
+    except LoaderStateError as e:  # say it in config keys (max_steps 40 -> 80), not in the loader's num_samples
+        saved = ckpt.load_meta(plan.resume_from).get("config", {})
+        raise ckpt.resume_refused(plan.resume_from, saved, plan.cfg.to_dict(), str(e)) from None
     rngs = state["rng"]
     if len(rngs) != plan.rt.world_size:
         log(
@@ -388,10 +434,12 @@ def default_log(rt: Runtime) -> Log:
 
 def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None) -> dict[str, Any]:
     """Run (or, with dry_run, only plan) the training described by `cfg`; returns the summary."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    layout = par.resolve_layout(cfg, world, model_config(cfg))  # before any process group or collective
     rt = setup_runtime(cfg)
     log = log if log is not None and rt.is_main else default_log(rt)
     try:
-        plan = prepare(cfg, rt, dry_run)
+        plan = prepare(cfg, rt, layout, dry_run)
         if dry_run:
             return {"dry_run": True, **plan.summary()}
         summary = run(plan, log)

@@ -35,8 +35,8 @@ def test_init_weight_tying_and_shapes():
     model = GPT(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.transformer.wte.weight.shape == (1024, 128)  # padded to a multiple of 128
-    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
-    fc = torch.cat([b.mlp.c_fc.weight.flatten() for b in model.transformer.h])
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h.values()])
+    fc = torch.cat([b.mlp.c_fc.weight.flatten() for b in model.transformer.h.values()])
     assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
     assert fc.std().item() == pytest.approx(0.02, rel=0.05)
     logits = model(torch.randint(0, 1000, (2, 64)))
