@@ -13,13 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from corpusforge.indexed import IndexedDataset, IndexedFormatError
+from corpusforge.indexed import IndexedDataset, IndexedFormatError, preprocess_summary
 
 
 @dataclass(frozen=True)
@@ -150,3 +152,66 @@ def decode_documents(prefix: str | os.PathLike, n: int, tokenizer: Decoder) -> l
     ds = IndexedDataset(prefix)
     # Plain ints: tokenizers differ in what array types they take, all take a list.
     return [tokenizer.decode(ds.document(d).tolist()) for d in range(min(n, ds.num_documents))]
+
+
+@dataclass(frozen=True)
+class RecordedTokenizer:
+    """The tokenizer `corpusforge preprocess` wrote a dataset with, as its `P.preprocess.json` recorded it."""
+
+    spec: str | None  # an encoding name or the tokenizer file's absolute path (None: the default, cl100k_base)
+    fingerprint: str  # the tokenizer's sha256 identity, to check that `spec` still names the same tokenizer
+    record: Path
+
+
+def recorded_tokenizer(prefix: str | os.PathLike) -> RecordedTokenizer | None:
+    """The tokenizer recorded beside a dataset that `corpusforge preprocess` wrote; None for other datasets.
+
+    Older records may hold a path relative to the run's working directory: it is tried as given and then beside the
+    record, and `load_recorded_tokenizer` checks the fingerprint either way.
+
+    Example: recorded_tokenizer("out/tiny_text_document").spec -> None (cl100k_base, the default)
+    """
+    found = preprocess_summary(prefix)
+    if found is None:
+        return None
+    path, _ = found
+    try:
+        summary = json.loads(path.read_text())
+        # stats.tokenizer is the loaded tokenizer's name: an encoding name, or the file's absolute path
+        spec = summary["stats"].get("tokenizer") or summary["config"]["tokenizer"]
+        fingerprint = summary["fingerprint"]["tokenizer"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return RecordedTokenizer(spec, fingerprint, path)
+
+
+def load_recorded_tokenizer(prefix: str | os.PathLike):
+    """The tokenizer a dataset was written with, loaded and checked against its recorded fingerprint.
+
+    Raises TokenizerError with the fix (pass --tokenizer) when there is no record or the recorded one cannot be
+    found or has changed; decoding with another tokenizer would print plausible nonsense.
+
+    Example: load_recorded_tokenizer("out/tiny_text_document").name -> 'cl100k_base'
+    """
+    from corpusforge.tokenizers import TokenizerError, load_tokenizer
+
+    recorded = recorded_tokenizer(prefix)
+    if recorded is None:
+        raise TokenizerError(
+            f"{prefix}: no P.preprocess.json records its tokenizer (written by another tool, or merged); "
+            "pass --tokenizer NAME|PATH to decode"
+        )
+    candidates = [recorded.spec]
+    if recorded.spec and not os.path.isabs(recorded.spec):
+        candidates.append(str(recorded.record.parent / recorded.spec))
+    for spec in candidates:
+        try:
+            tokenizer = load_tokenizer(spec)
+        except (TokenizerError, OSError):
+            continue
+        if tokenizer.fingerprint == recorded.fingerprint:
+            return tokenizer
+    raise TokenizerError(
+        f"{recorded.record}: the recorded tokenizer {recorded.spec or 'cl100k_base'!r} cannot be found or is no "
+        "longer the one the dataset was written with; pass --tokenizer NAME|PATH to decode"
+    )

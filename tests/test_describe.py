@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -194,3 +196,66 @@ def test_large_dataset_is_vectorised(tmp_path):
     ref = reference_stats(lengths.tolist())
     assert {k: getattr(s, k) for k in ref} == pytest.approx(ref)
     assert {lo.bit_length(): n for lo, _, n in s.histogram if n} == reference_histogram(lengths.tolist())
+
+
+# -- inspect --decode: the tokenizer the dataset was written with ------------------------------------------------
+
+TEXTS = ["the quick brown fox jumps over the lazy dog " * 3, "pack my box with five dozen liquor jugs", "naïve café"]
+
+
+def _own_tokenizer_dataset(root):
+    """A dataset preprocessed with a tokenizer.json trained here (run from its own directory, with a relative path),
+    so that decoding with the default cl100k_base would print other text."""
+    from corpusforge.tokenizer_training import train_tokenizer
+
+    train_tokenizer(TEXTS * 50, 300, root / "tok.json", kind="bpe")
+    (root / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    run = subprocess.run(
+        [sys.executable, "-m", "corpusforge.cli", "preprocess", "in.jsonl", "--output-prefix", "out/c",
+         "--tokenizer", "tok.json", "--workers", "1"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return root
+
+
+@pytest.fixture(scope="module")
+def own_tokenizer_dataset(tmp_path_factory):
+    return _own_tokenizer_dataset(tmp_path_factory.mktemp("own"))
+
+
+def _inspect(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "corpusforge.cli", "inspect", *args, "--json"],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["same directory", "other directory"])
+def test_decode_uses_the_recorded_tokenizer(own_tokenizer_dataset, tmp_path, where):
+    root = own_tokenizer_dataset
+    cwd, prefix = (
+        (root, "out/c_text_document") if where == "same directory" else (tmp_path, root / "out/c_text_document")
+    )
+    run = _inspect(str(prefix), "--decode", "3", cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["decoded"] == [t + "<|endoftext|>" for t in TEXTS]  # the EOD preprocess appended
+
+
+def test_decode_refuses_a_changed_or_missing_tokenizer(tmp_path):
+    copy = _own_tokenizer_dataset(tmp_path)
+    from corpusforge.tokenizer_training import train_tokenizer
+
+    train_tokenizer(TEXTS * 50, 280, copy / "tok.json", kind="bpe")  # another tokenizer under the recorded path
+    run = _inspect("out/c_text_document", "--decode", "1", cwd=copy)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and "no longer the one" in lines[0], run.stderr
+    (copy / "tok.json").unlink()
+    run = _inspect("out/c_text_document", "--decode", "1", cwd=copy)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and "pass --tokenizer" in lines[0], run.stderr
+    (copy / "out" / "c.preprocess.json").unlink()  # a dataset another tool wrote: no record at all
+    run = _inspect("out/c_text_document", "--decode", "1", cwd=copy)
+    assert run.returncode == 1 and "no P.preprocess.json" in run.stderr, run.stderr
+    run = _inspect("out/c_text_document", cwd=copy)  # without --decode no tokenizer is needed
+    assert run.returncode == 0, run.stderr

@@ -31,18 +31,23 @@ def merge_cmd(prefixes, output_prefix, as_json) -> None:
 @click.command("inspect", cls=_report.Command)
 @click.argument("prefix")
 @click.option("--decode", "decode_n", type=click.IntRange(min=0), default=0, help="Show the first N documents as text.")
-@click.option("--tokenizer", default=None, help="Tokenizer for --decode [default: cl100k_base].")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Tokenizer for --decode [default: the one P.preprocess.json recorded when preprocess wrote the dataset].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def inspect_cmd(prefix, decode_n, tokenizer, as_json) -> None:
     """Counts, dtype, document-length statistics and validity of a dataset; --decode N shows documents."""
-    from corpusforge.describe import decode_documents, describe
+    from corpusforge.describe import decode_documents, describe, load_recorded_tokenizer
 
     summary = describe(prefix)
     texts = []
     if decode_n and summary.valid:  # an index that failed validation describes no documents to decode
         from corpusforge.tokenizers import load_tokenizer
 
-        texts = decode_documents(prefix, decode_n, load_tokenizer(tokenizer))
+        decoder = load_tokenizer(tokenizer) if tokenizer else load_recorded_tokenizer(prefix)
+        texts = decode_documents(prefix, decode_n, decoder)
     data = summary.to_dict()
     if as_json:
         _report.print_summary("", [], {**data, "decoded": texts} if decode_n else data)
