@@ -43,7 +43,15 @@ from corpusforge.preprocess import PreprocessConfig, preprocess
     show_default=True,
     help="Times a task runs again when its worker process or node dies.",
 )
-@click.option("--on-bad-line", type=click.Choice(["fail", "skip"]), default="fail", show_default=True)
+@click.option(
+    "--on-bad-line",
+    type=click.Choice(["fail", "skip"]),
+    default="fail",
+    show_default=True,
+    help="A bad record (malformed JSON, invalid UTF-8, missing key, not a string, empty): 'fail' stops at the first "
+    "with FILE:LINE and exit 1; 'skip' leaves it out, counts each kind, and exits 3. A truncated or unreadable file is "
+    "an error either way.",
+)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its finished parts.")
 @click.option(
     "--task-size",
