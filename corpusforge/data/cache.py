@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
 from corpusforge.indexed import IndexedDataset, fsync_dir, fsync_path
 
 _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -312,8 +312,26 @@ def picklable(array: np.ndarray) -> np.ndarray | MappedArray:
 
 def unpickled(value: np.ndarray | MappedArray) -> np.ndarray:
     if isinstance(value, MappedArray):
-        return np.load(value.path, mmap_mode="r", allow_pickle=False)
+        return load_array(Path(value.path))
     return value
+
+
+def load_array(path: Path) -> np.ndarray:
+    """A cached .npy array, memory-mapped; one that holds a pickle (object arrays, or no .npy at all: numpy then
+    takes the file for a pickle) or is damaged is refused in one line naming it, never unpickled.
+
+    Example:
+        >>> load_array(Path("cache/3f2a...-document_index.npy")).dtype
+        dtype('int32')
+    """
+    fix = "delete it (an index cache is rebuilt) or point cache_dir elsewhere"
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        # numpy says "pickled (object) data" for a non-.npy file and "Python objects in dtype" for object arrays
+        if "pickle" in str(e) or "object" in str(e).lower():
+            raise PickleRefusedError(pickle_refused(path, fix)) from None
+        raise CacheMismatchError(f"{path}: not a readable .npy array ({first_line(e)}); {fix}") from None
 
 
 def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
@@ -338,7 +356,7 @@ def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] |
         path = Path(f"{base}-{name}.npy")
         if not path.is_file():
             return None  # an array was deleted by hand: rebuild under the lock
-        arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        arrays[name] = load_array(path)
     return arrays
 
 

@@ -303,6 +303,7 @@ class Loader:
                 "the loader state was saved for other data or another configuration; differences (now != saved): "
                 + "; ".join(diff[:10])
                 + (f"; and {len(diff) - 10} more" if len(diff) > 10 else "")
+                + "; load it into a loader made with the data and options it was saved with"
             )
         self._sampler(int(state["consumed_samples"]))
         self.consumed_samples = int(state["consumed_samples"])

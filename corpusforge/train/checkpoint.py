@@ -20,8 +20,10 @@ previous write first. Files are plain torch.save of tensors and built-in types, 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import random
 import shutil
 import threading
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
 
 PREFIX, TMP = "step_", ".tmp-"
 
@@ -233,7 +235,36 @@ def load_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json); give a step_* directory")
-    return json.loads((path / "meta.json").read_text())
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}/meta.json: not valid JSON ({e}); {_delete_hint(path)}") from None
+
+
+def _delete_hint(path: Path) -> str:
+    return f"delete {path} to resume from the checkpoint before it, or give a new out_dir"
+
+
+def _torch_load(path: Path, mmap: bool = False) -> Any:
+    """torch.load of a checkpoint file with weights_only=True; a file that holds other pickled objects (which
+    could run code) or is not a torch.save archive (cut short, another format) is refused in one line naming it."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:1] == b"\x80":  # a bare pickle (protocol 2+), not torch.save's zip archive: never unpickled
+        raise PickleRefusedError(pickle_refused(path, _delete_hint(path.parent)))
+    if head != b"PK\x03\x04":  # torch.save writes a zip archive; torch.load would read anything else as a pickle
+        raise CheckpointError(f"{path}: damaged, or not a torch.save archive; {_delete_hint(path.parent)}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:  # weights_only met a global other than tensors and built-in types
+        raise PickleRefusedError(pickle_refused(path, _delete_hint(path.parent))) from None
+    except (RuntimeError, EOFError, KeyError, OSError) as e:  # what torch.load raises for a damaged or foreign file
+        if isinstance(e, OSError) and e.errno != errno.EINVAL:  # EINVAL: its zip reader on a cut archive
+            raise
+        why = first_line(e).split(". ")[0]  # torch's first sentence; the rest is advice for other programs
+        raise CheckpointError(
+            f"{path}: damaged, or not a torch.save archive ({why}); {_delete_hint(path.parent)}"
+        ) from None
 
 
 def check_compatible(path: str | Path, meta: dict[str, Any], model_shape: dict[str, int]) -> None:
@@ -247,6 +278,43 @@ def check_compatible(path: str | Path, meta: dict[str, Any], model_shape: dict[s
         )
 
 
+# Config keys that say where and how a run reads, logs and saves, not what it computes: a difference in them never
+# explains a loader state that no longer matches.
+NOT_RUN_IDENTITY = frozenset(
+    "out_dir resume stop_at_step log_interval eval_interval eval_batches checkpoint_interval keep_checkpoints "
+    "async_checkpoint tensorboard num_workers data_cache_dir storage device compile peak_flops".split()
+)
+
+
+def resume_refused(path: str | Path, saved_config: dict[str, Any], config: dict[str, Any], why: str) -> CheckpointError:
+    """The error for a checkpoint whose data order (the loader's state) does not fit this run's configuration: which
+    config keys differ (as saved, and now) and what to do; `why` (the loader's own differences) when no key does,
+    since then the data itself changed.
+
+    Example:
+        >>> resume_refused("runs/a/checkpoints/step_00000020", {"max_steps": 40}, {"max_steps": 80}, "num_samples")
+        CheckpointError('runs/a/checkpoints/step_00000020: cannot resume: this run was started with max_steps=40, ...
+    """
+    keys = sorted((set(saved_config) | set(config)) - NOT_RUN_IDENTITY)
+    differ = [k for k in keys if saved_config.get(k, "<unset>") != config.get(k, "<unset>")]
+    if not saved_config:  # a checkpoint from before meta.json recorded the config
+        return CheckpointError(
+            f"{path}: cannot resume: its data order does not fit this configuration ({why}); rerun with the config "
+            "it was started with, or give a new out_dir to start another run"
+        )
+    if not differ:
+        return CheckpointError(
+            f"{path}: cannot resume: the training data changed since this run was saved ({why}); restore the data "
+            "it was started with, or give a new out_dir to start another run"
+        )
+    was = ", ".join(f"{k}={saved_config.get(k, '<unset>')!r}" for k in differ)
+    now = ", ".join(f"{k}={config.get(k, '<unset>')!r}" for k in differ)
+    return CheckpointError(
+        f"{path}: cannot resume: this run was started with {was}, now {now}, which changes the data order; rerun with "
+        f"the values it was started with, or give a new out_dir to start another run"
+    )
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load model and optimizer state into `model`/`optimizer` (every rank reads the full files, memory-mapped,
     and keeps its shard under FSDP); returns the trainer state (step, scheduler, rng, loader)."""
@@ -256,8 +324,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     missing = [n for n in ("model.pt", "optimizer.pt", "trainer.pt") if not (path / n).is_file()]
     if missing:
         raise CheckpointError(f"{path}: missing {', '.join(missing)}")
-    model_sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True, mmap=True)
-    optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
+    model_sd = _torch_load(path / "model.pt", mmap=True)
+    optim_sd = _torch_load(path / "optimizer.pt", mmap=True)
     mine = model.state_dict()
     wrong = [
         f"{k}: {tuple(v.shape)} != {tuple(mine[k].shape)}"
@@ -269,4 +337,4 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         raise CheckpointError(f"{path}: parameters do not match this model: {'; '.join(wrong[:5])} {extra or ''}")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    return torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    return _torch_load(path / "trainer.pt")

@@ -1,13 +1,21 @@
-"""Bad input fails with a clear error before any compute: wrong checkpoint shape, too little data, bad token ids."""
+"""Bad input fails with a clear error before any compute: wrong checkpoint shape, too little data, bad token ids,
+a rerun with another schedule, a checkpoint or index cache that holds a pickle or is damaged."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+
 import numpy as np
 import pytest
+import torch
 import trainkit
 from click.testing import CliRunner
 
 from corpusforge.cli.train import train_cmd
+from corpusforge.data.cache import CacheMismatchError
+from corpusforge.errors import PickleRefusedError
 from corpusforge.indexed import IndexedDatasetWriter
 from corpusforge.train import CheckpointError, ConfigError, DataError, load_config, train
 
@@ -63,3 +71,100 @@ def test_cli_errors_are_one_line_and_dry_run_plans(corpus, tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # a plan, not a run
     keys = runner.invoke(train_cmd, ["--list-keys"])
     assert "global_batch_tokens = 524288" in keys.output
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """A run of 2 steps with its checkpoint, index cache and config; tests copy it before damaging it."""
+    run = tmp_path_factory.mktemp("run")
+    train(cfg(corpus, run, max_steps=2, checkpoint_interval=2), log=lambda line: None)
+    return run
+
+
+def rerun(corpus, finished_run, tmp_path, **extra):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    train(cfg(corpus, run, **{"max_steps": 2, "checkpoint_interval": 2, **extra}), log=lambda line: None)
+
+
+@pytest.mark.parametrize(
+    "key, value, shown",
+    [
+        ("max_steps", 4, "max_steps=2, now max_steps=4"),
+        ("seed", 7, "seed=1234, now seed=7"),
+        ("global_batch_tokens", 1024, "global_batch_tokens=512, now global_batch_tokens=1024"),
+    ],
+)
+def test_rerun_with_another_data_order_names_the_keys_and_the_fix(corpus, finished_run, tmp_path, key, value, shown):
+    with pytest.raises(CheckpointError, match=f"cannot resume: this run was started with {shown}") as e:
+        rerun(corpus, finished_run, tmp_path, **{key: value})
+    assert "rerun with the values it was started with, or give a new out_dir" in str(e.value)
+
+
+def test_rerun_over_changed_data_says_the_data_changed(tmp_path):
+    prefix = trainkit.write_markov_corpus(tmp_path / "c_text_document", num_docs=60)
+    train(cfg(prefix, tmp_path / "run", max_steps=2, checkpoint_interval=2, eval_interval=0), log=lambda line: None)
+    trainkit.write_markov_corpus(prefix, num_docs=60, seed=1)  # other documents under the same name
+    shutil.rmtree(tmp_path / "run" / "index-cache")
+    with pytest.raises(CheckpointError, match="cannot resume: the training data changed since this run was saved"):
+        train(cfg(prefix, tmp_path / "run", max_steps=2, checkpoint_interval=2, eval_interval=0), log=lambda x: None)
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file named `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mknod, (self.path,))
+
+
+def _write_damage(path, kind: str, marker) -> None:
+    if kind == "torch.save of an object":
+        torch.save({"w": torch.ones(2), "x": _Payload(str(marker))}, path)
+    elif kind == "bare pickle":
+        path.write_bytes(pickle.dumps({"x": _Payload(str(marker))}))
+    elif kind == "cut archive":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # junk
+        path.write_bytes(b"not a checkpoint at all")
+
+
+@pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "trainer.pt"])
+@pytest.mark.parametrize("kind", ["torch.save of an object", "bare pickle", "cut archive", "junk"])
+def test_pickled_or_damaged_checkpoint_file_is_refused_naming_it(corpus, finished_run, tmp_path, name, kind):
+    run, marker = tmp_path / "run", tmp_path / "payload-ran"
+    shutil.copytree(finished_run, run)
+    step = run / "checkpoints" / "step_00000002"
+    _write_damage(step / name, kind, marker)
+    error = PickleRefusedError if kind in ("torch.save of an object", "bare pickle") else CheckpointError
+    with pytest.raises(error, match=f"{step / name}: .*delete {step} to resume from the checkpoint before it"):
+        train(cfg(corpus, run, max_steps=2, checkpoint_interval=2), log=lambda line: None)
+    assert not marker.exists()  # refused, never unpickled
+
+
+def test_damaged_checkpoint_meta_is_refused_naming_it(corpus, finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checkpoints" / "step_00000002" / "meta.json").write_text("{")
+    with pytest.raises(CheckpointError, match="meta.json: not valid JSON"):
+        train(cfg(corpus, run, max_steps=2, checkpoint_interval=2), log=lambda line: None)
+
+
+@pytest.mark.parametrize("kind", ["object array", "bare pickle", "cut array"])
+def test_pickled_or_damaged_index_cache_is_refused_naming_it(corpus, finished_run, tmp_path, kind):
+    run, marker = tmp_path / "run", tmp_path / "payload-ran"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "checkpoints")  # a fresh run over the cache
+    target = sorted((run / "index-cache").glob("*-GPTDataset-train-shuffle_index.npy"))[0]
+    if kind == "object array":
+        np.save(target, np.array([_Payload(str(marker))], dtype=object), allow_pickle=True)
+    elif kind == "bare pickle":
+        target.write_bytes(pickle.dumps([_Payload(str(marker))]))
+    else:
+        target.write_bytes(target.read_bytes()[:100])
+    error = PickleRefusedError if kind != "cut array" else CacheMismatchError
+    with pytest.raises(error, match=f"{target}: .*delete it \\(an index cache is rebuilt\\)"):
+        train(cfg(corpus, run, max_steps=2, checkpoint_interval=2), log=lambda line: None)
+    assert not marker.exists()
