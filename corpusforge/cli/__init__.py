@@ -15,6 +15,7 @@ from corpusforge import __version__
 from corpusforge.cli import _report
 from corpusforge.cli.bench_io import bench_io_cmd
 from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
+from corpusforge.cli.megatron_preprocess import megatron_preprocess_cmd
 from corpusforge.cli.preprocess import preprocess_cmd
 from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd
 from corpusforge.cli.tokenizer import train_tokenizer_cmd
@@ -29,6 +30,7 @@ def main() -> None:
 
 COMMANDS = (
     preprocess_cmd,
+    megatron_preprocess_cmd,
     merge_cmd,
     inspect_cmd,
     convert_cmd,

@@ -1,0 +1,238 @@
+"""The command line of Megatron-LM's `tools/preprocess_data.py` (and `preprocess_data_fast.py`), parsed as they do.
+
+Every flag of HEAD (d98e8a6, 2026-08-22), core_v0.19.0 and core_v0.18.2 (the three have the same
+preprocess_data.py; `--use-gigatoken` is new in HEAD), with Megatron's names, defaults and meanings, plus
+corpusforge's own options under their own names. `to_config` maps them onto `PreprocessConfig`; a flag that cannot
+be honoured ends the run with one line saying which and why (exit 2), never silently.
+
+How the flags that tune Megatron's process model map:
+
+    --workers N            worker processes (corpusforge's --workers); optional here (default: every core)
+    --partitions N         Megatron cuts the input into N files; corpusforge cuts it into tasks itself, and its
+                           output is always in input order. Megatron deals lines round-robin to the partitions
+                           and concatenates them, so without --keep-sequential-samples its output interleaves
+                           the input: that order is not reproduced, and a note on stderr says so
+    --keep-sequential-samples  Megatron's partitions become contiguous runs of lines, its output is in input
+                           order: what corpusforge always writes, so accepted
+    --log-interval N       Megatron prints every N documents; corpusforge's progress is --progress
+    --find-optimal-num-workers, --workers-to-check, --max-documents: a search over worker counts that writes no
+                           dataset: refused (exit 2)
+
+Example:
+    >>> args = parse_args(["--input", "c.jsonl", "--output-prefix", "out/c", "--tokenizer-type",
+    ...                    "SentencePieceTokenizer", "--tokenizer-model", "sp.model", "--workers", "4"])
+    >>> to_config(args).output_prefixes()
+    ['out/c_text_document']
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from corpusforge.errors import CorpusforgeError
+from corpusforge.megatron.tokenizers import SUPPORTED_TYPES, UNSUPPORTED_TYPES, MegatronTokenizerSpec
+from corpusforge.preprocess import PreprocessConfig
+
+PROG = "corpusforge megatron-preprocess"
+
+# --tokenizer-type choices of megatron.training.arguments (HEAD): argparse refuses any other name, as there.
+TOKENIZER_TYPES = (
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "MultimodalTokenizer",
+    "NullTokenizer",
+    "NullMultimodalTokenizer",
+    "SFTTokenizer",
+)
+
+
+class UnsupportedFlagError(CorpusforgeError):
+    """A Megatron flag that corpusforge cannot honour; exit 2 like any usage error."""
+
+    exit_code = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's parser (same groups, names, defaults), then corpusforge's options."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Megatron-LM's tools/preprocess_data.py flags, run by corpusforge: the same output files.",
+    )
+    _tokenizer_group(p)
+    g = p.add_argument_group(title="input data")
+    g.add_argument("--input", type=str, required=True, help="Path to input JSON")
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json"
+    )
+    g.add_argument("--split-sentences", action="store_true", help="Split documents into sentences.")
+    g.add_argument("--keep-newlines", action="store_true", help="Keep newlines between sentences when splitting.")
+    g = p.add_argument_group(title="tokenization process")
+    g.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
+    g.add_argument("--lang", type=str, default="english", help="Language to use for NLTK-powered sentence splitting.")
+    g = p.add_argument_group(title="output data")
+    g.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix")
+    g = p.add_argument_group(title="runtime")
+    # Required in preprocess_data.py, absent from preprocess_data_fast.py: optional here, so both lines run.
+    g.add_argument("--workers", type=int, default=0, help="Worker processes [default: one per core].")
+    g.add_argument("--find-optimal-num-workers", action="store_true", help="Not supported (writes no dataset).")
+    g.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64], help="Not supported.")
+    g.add_argument("--max-documents", type=int, default=100_000, help="Not supported.")
+    g.add_argument("--partitions", type=int, default=1, help="Number of file partitions (see the document order).")
+    g.add_argument("--log-interval", type=int, default=1000, help="Accepted; progress is --progress here.")
+    g.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.",
+    )
+    _corpusforge_group(p)
+    return p
+
+
+def _tokenizer_group(p: argparse.ArgumentParser) -> None:
+    """megatron.training.arguments._add_tokenizer_args (TokenizerConfig), HEAD."""
+    g = p.add_argument_group(title="tokenizer")
+    g.add_argument("--vocab-size", type=int, default=None, help="Size of vocab before EOD or padding.")
+    g.add_argument("--padded-vocab-size", type=int, default=None, help="Model vocabulary size: no effect on the data.")
+    g.add_argument(
+        "--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size", action="store_false",
+        help="No effect on the data.",
+    )  # fmt: skip
+    g.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file.")
+    g.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merge file.")
+    g.add_argument(
+        "--vocab-extra-ids", type=int, default=0, help="preprocess_data.py resets it to 0: no effect on the data."
+    )
+    g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES, help="What type of tokenizer.")
+    g.add_argument("--tokenizer-model", type=str, default=None, help="Path to the tokenizer model.")
+    g.add_argument("--tokenizer-metadata", dest="metadata_path", type=str, default=None, help="Not supported.")
+    g.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", type=str, default=None)
+    g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"])
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--tokenizer-sentencepiece-legacy", action="store_true", help="Not supported.")
+    g.add_argument(
+        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        dest="tokenizer_sentencepiece_ignore_extra_whitespaces",
+        action="store_false",
+        help="Not supported for models that drop extra whitespace.",
+    )
+    g.add_argument("--tokenizer-hf-no-use-fast", action="store_true", help="HF: the slow (Python) tokenizer.")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true", help="HF: no BOS/EOS per text.")
+    g.add_argument("--trust-remote-code", action="store_true", help="HF: let the tokenizer directory run its code.")
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None, help="NullTokenizer EOD [vocab size - 1].")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1, help="No effect on the data.")
+    g.add_argument("--chat-template", type=str, default=None, help="No effect on the data (chat formatting only).")
+    g.add_argument("--use-gigatoken", action="store_true", help="Accepted: corpusforge picks gigatoken where exact.")
+
+
+def _corpusforge_group(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(title="corpusforge (not Megatron's)")
+    g.add_argument("--resume", action="store_true", help="Continue an interrupted run from its finished parts.")
+    g.add_argument("--on-bad-line", choices=["fail", "skip"], default="fail", help="Bad records: stop, or skip/count.")
+    g.add_argument("--json", dest="as_json", action="store_true", help="Print the summary as JSON on stdout.")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="Progress bar.")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
+    g.add_argument("--engine", choices=["auto", "gigatoken", "reference"], default="auto", help="sentencepiece engine.")
+    g.add_argument("--executor", choices=["local", "ray"], default="local", help="Where tasks run.")
+    g.add_argument("--ray-address", default=None, help="Ray cluster to join (with --executor ray).")
+    g.add_argument("--retries", type=int, default=2, help="Reruns of a task whose worker died.")
+    g.add_argument("--task-size", type=int, default=0, help="Input bytes per task [default: ~8 tasks per worker].")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse as Megatron does (argparse errors exit 2), then refuse what cannot be honoured (UnsupportedFlagError)."""
+    args = build_parser().parse_args(argv)
+    _refuse_unsupported(args)
+    return args
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    def refuse(flag: str, why: str) -> None:
+        raise UnsupportedFlagError(f"megatron-preprocess: {flag} is not supported: {why}")
+
+    if args.tokenizer_type is None:
+        refuse("no --tokenizer-type", "name one; Megatron fails without it too")
+    if args.tokenizer_type in UNSUPPORTED_TYPES:
+        refuse(f"--tokenizer-type {args.tokenizer_type}", UNSUPPORTED_TYPES[args.tokenizer_type])
+    assert args.tokenizer_type in SUPPORTED_TYPES
+    if args.find_optimal_num_workers:
+        refuse(
+            "--find-optimal-num-workers",
+            "it times Megatron's worker counts and writes no dataset; corpusforge uses every core by default",
+        )
+    if args.metadata_path:
+        refuse("--tokenizer-metadata", "the tokenizer is built from --tokenizer-type and its files only")
+    if args.tokenizer_sentencepiece_legacy:
+        refuse("--tokenizer-sentencepiece-legacy", "Megatron's legacy special-token splitting is not implemented")
+    if args.keep_newlines and not args.split_sentences:
+        pass  # Megatron ignores it without --split-sentences, and so does this
+    if args.workers < 0 or args.partitions < 1:
+        refuse("--workers below 0 or --partitions below 1", "give a positive count")
+    if args.executor != "ray" and args.ray_address:
+        refuse("--ray-address without --executor ray", "add --executor ray")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a Megatron command line asks for: corpusforge's config, and notes on what differs from Megatron."""
+
+    config: PreprocessConfig
+    notes: tuple[str, ...] = ()
+
+
+def to_config(args: argparse.Namespace) -> PreprocessConfig:
+    return plan(args).config
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Map parsed Megatron flags onto corpusforge's PreprocessConfig."""
+    spec = MegatronTokenizerSpec(
+        tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        special_tokens=tuple(args.special_tokens) if args.special_tokens else None,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        hf_use_fast=not args.tokenizer_hf_no_use_fast,
+        hf_include_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
+        trust_remote_code=args.trust_remote_code,
+        null_eod_id=args.null_tokenizer_eod_id,
+        sp_ignore_extra_whitespaces=args.tokenizer_sentencepiece_ignore_extra_whitespaces,
+        engine=args.engine,
+        split_language=args.lang if args.split_sentences else None,
+        keep_newlines=args.keep_newlines,
+    )
+    config = PreprocessConfig(
+        inputs=(args.input,),
+        output_prefix=args.output_prefix,
+        json_keys=tuple(args.json_keys),
+        tokenizer=args.tokenizer_model or args.vocab_file,
+        engine=args.engine,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        on_bad_line=args.on_bad_line,
+        resume=args.resume,
+        task_bytes=args.task_size,
+        executor=args.executor,
+        ray_address=args.ray_address,
+        retries=args.retries,
+        level="sentence" if args.split_sentences else "document",
+        tokenizer_factory=spec,
+    )
+    notes = []
+    if args.partitions > 1 and not args.keep_sequential_samples:
+        notes.append(
+            f"--partitions {args.partitions} without --keep-sequential-samples: Megatron would interleave the "
+            "documents round-robin across partitions; corpusforge writes them in input order (as "
+            "--keep-sequential-samples does)"
+        )
+    return Plan(config, tuple(notes))
