@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,6 +58,10 @@ NO_PAD = -1
 # gpt_dataset.py, _build_document_sample_shuffle_indices: the last epoch is shuffled on its own when it
 # supplies fewer than this fraction of an epoch's samples.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+class ShortSplitWarning(UserWarning):
+    """A split holds fewer tokens than one sample: its samples repeat it (Megatron-Core builds it the same way)."""
 
 
 @dataclass(frozen=True)
@@ -539,8 +544,8 @@ class GPTDataset:
         self.documents = (int(documents[0]), int(documents[1]))
         if not 0 <= self.documents[0] <= self.documents[1] <= len(indexed):
             raise ValueError(f"{indexed.prefix}: sequence range {self.documents} is not within [0, {len(indexed)}]")
-        split_tokens = self._check_enough_tokens()
-        drop_last = config.drop_last_partial_validation_sequence if split == "valid" else True
+        split_tokens = self._split_tokens()
+        drop_last = self._drop_last()
         self.description = {
             "class": "GPTDataset",
             "dataset": describe_dataset(indexed),
@@ -583,21 +588,39 @@ class GPTDataset:
         DataLoader workers inherit it instead of each paying for it on their first batch."""
         assemble(self.read_raw(np.zeros(0, np.int64)), self.config)
 
-    def _check_enough_tokens(self) -> int:
-        """The split's token count; an error if it cannot fill one sample and samples are asked for."""
+    def _split_tokens(self) -> int:
+        """The split's token count. A split holding fewer tokens than one sample is repeated as Megatron-Core
+        repeats it (as many epochs as the samples need), with a ShortSplitWarning saying how often; a split holding
+        no tokens at all is an error when samples are asked of it: Megatron-Core loops forever there."""
         lo, hi = self.documents  # a contiguous range: a slice, not a gather
         tokens = int(np.sum(self.indexed.sequence_lengths[lo:hi], dtype=np.int64))
-        if self.num_samples == 0:
-            return tokens
         needed = self.config.seq_length + self.config.extra
-        if tokens < needed:
-            lo, hi = self.documents
+        if self.num_samples == 0 or tokens >= needed:
+            return tokens
+        where = (
+            f"{self.indexed.prefix}: the {self.split} split (sequences [{lo}, {hi}) of {len(self.indexed)}, split "
+            f"{self.config.split!r}) holds {tokens} tokens"
+        )
+        if tokens == 0:
             raise ValueError(
-                f"{self.indexed.prefix}: seq_length {self.config.seq_length} needs {needed} tokens per sample but "
-                f"the {self.split} split (sequences [{lo}, {hi}) of {len(self.indexed)}, split "
-                f"{self.config.split!r}) has {tokens}; use a shorter seq_length, more data, or another split"
+                f"{where}, and samples are asked of it; give the split documents (more data or another split) "
+                "or ask for no samples of it (Megatron-Core would loop forever here)"
             )
+        if self.num_samples is None:  # one pass, as Megatron-Core: samples only where a partial one is kept
+            count = count_samples(tokens, self.config.seq_length, self.config.extra, self._drop_last())
+            what = f"one pass over it gives {count} sample(s)"
+        else:
+            epochs = count_epochs(tokens, self.num_samples, self.config.seq_length, self.config.extra)
+            what = f"it is repeated {epochs} times for its {self.num_samples} samples, as Megatron-Core repeats it"
+        warnings.warn(
+            f"{where}, fewer than one sample of {needed}: {what}; more data or a shorter seq_length avoids this",
+            ShortSplitWarning,
+            stacklevel=3,
+        )
         return tokens
+
+    def _drop_last(self) -> bool:
+        return self.config.drop_last_partial_validation_sequence if self.split == "valid" else True
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

@@ -34,9 +34,14 @@ def test_blend_orders():
         parse_blend(["a", 0.7, "b"])
 
 
-def test_seq_length_longer_than_the_data(corpora):
-    with pytest.raises(ValueError, match=r"seq_length 100000 needs 100001 tokens .* the train split .* has \d+"):
-        build_gpt_datasets(corpora[1], 100_000, num_samples=(10, 1, 1))
+def test_seq_length_longer_than_the_data_repeats_it_with_a_warning(corpora):
+    """As megatron-core does (tests/data/test_parity.py compares the samples); a split of no tokens is an error."""
+    from corpusforge.data.gpt_dataset import ShortSplitWarning
+
+    short = r"the train split .* holds \d+ tokens, fewer than one sample of 100001: it is repeated \d+ times"
+    with pytest.warns(ShortSplitWarning, match=short):
+        train, _, _ = build_gpt_datasets(corpora[1], 100_000, num_samples=(10, 0, 0))
+    assert len(train) >= 10
 
 
 def test_weighted_blend_needs_sample_counts(corpora):
