@@ -71,7 +71,8 @@ class PreprocessConfig:
     workers: int = 0
     """Worker processes; 0 means one per available core."""
     on_bad_line: str = "fail"
-    """'fail': stop at the first bad record with file:line; 'skip': skip bad records, count them by kind."""
+    """'fail': stop at the first bad record with file:line; 'skip': skip bad records, count them by kind. Either way
+    a truncated or damaged file fails the run: what it lost are not records that can be counted."""
     resume: bool = False
     """Reuse the finished parts of an interrupted run with the same inputs, keys and tokenizer."""
     task_bytes: int = 0
