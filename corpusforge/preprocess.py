@@ -309,8 +309,8 @@ def _failure(error: BaseException, parts: Path) -> BaseException:
     finished = len(list(parts.glob("part-*.done.json"))) if parts.is_dir() else 0
     if isinstance(error, sources.BadRecordError) and finished:
         return sources.BadRecordError(
-            f"{error}; the {finished} finished parts are kept in {parts} for a rerun with "
-            "--on-bad-line skip --resume (a fixed input starts over)"
+            f"{error}; {'the finished part is' if finished == 1 else f'the {finished} finished parts are'} kept in "
+            f"{parts} for a rerun with --on-bad-line skip --resume (a fixed input starts over)"
         )
     _remove_parts(parts)
     return error
