@@ -250,6 +250,7 @@ def test_a_truncated_compressed_input_fails_the_run_whatever_on_bad_line(tmp_pat
     assert leftovers(tmp_path) == [] and not list(tmp_path.glob("o_*"))
 
 
+@pytest.mark.slow  # a CLI process: ~3 s of imports each
 def test_the_cli_exits_1_on_a_truncated_input_even_when_skipping_bad_lines(tmp_path):
     src = tmp_path / "c.jsonl.zst"
     src.write_bytes(zstandard.ZstdCompressor().compress(write_jsonl(tmp_path / "g.jsonl", 300).read_bytes())[:-40])
@@ -279,6 +280,7 @@ def test_empty_and_repeated_inputs_are_warned_about_and_read_once(tmp_path):
     assert pair(tmp_path / "o_text_document") == pair(Path(preprocess(config(good, tmp_path / "alone")).outputs[0]))
 
 
+@pytest.mark.slow  # a CLI process: ~3 s of imports each
 def test_the_cli_prints_warnings_and_refuses_all_empty_inputs_in_one_line(tmp_path):
     good, empty = write_jsonl(tmp_path / "good.jsonl", 5), tmp_path / "empty.jsonl"
     empty.write_text("")
