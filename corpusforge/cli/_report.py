@@ -28,17 +28,46 @@ _INTERRUPTED = {
 }
 
 
+# Under torchrun, how long a rank other than 0 waits before exiting on an error: torchrun stops every rank as soon
+# as one exits, and rank 0, which meets the same bad config or data within milliseconds, must live to print it
+# (seen: 2 s were not enough for rank 0 to exit, with torch loaded, on a loaded 2-core machine). It costs nothing
+# when rank 0 fails too: its exit ends the job.
+PEER_EXIT_DELAY_S = 5.0
+
+
 def fail(message: str, code: int = EXIT_ERROR) -> None:
-    """Print `corpusforge: error: MESSAGE` as one line on stderr (once, by rank 0, under torchrun) and exit."""
+    """Print `corpusforge: error: MESSAGE` as one line on stderr and exit with `code`.
+
+    Under torchrun only rank 0 prints. Another rank waits PEER_EXIT_DELAY_S, then leaves the line in torchrun's
+    error file and exits: when rank 0 met the same error it has printed it and exited by then, and torchrun has
+    stopped this rank (its report says SIGTERM, not the message again); when the error was this rank's alone,
+    torchrun's failure report shows it instead of a link to its docs."""
+    line = " ".join(str(message).split())
     if is_rank_zero():
-        click.echo(f"corpusforge: error: {' '.join(str(message).split())}", err=True)
+        click.echo(f"corpusforge: error: {line}", err=True)
+    elif code != EXIT_INTERRUPTED:  # a Ctrl-C reaches every rank at once: nothing to wait for
+        time.sleep(PEER_EXIT_DELAY_S)
+        _tell_torchrun(line)
     sys.exit(code)
 
 
+def _tell_torchrun(line: str) -> None:
+    """Write torchelastic's per-rank error file (the format its ProcessFailure reads), where torchrun set one."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:  # the report is a courtesy; the exit code carries the failure
+        pass
+
+
 def is_rank_zero() -> bool:
-    """True unless torchrun (or srun through torchrun's variables) made this process another rank than 0: every
-    rank of a job meets the same bad config or dataset, and one line says it, not one per rank."""
-    return os.environ.get("RANK", "0").strip() in ("", "0")
+    """False only in a rank other than 0 of a torchrun job (RANK and WORLD_SIZE set, as the trainer reads them):
+    every rank meets the same bad config or dataset, and one line says it, not one per rank."""
+    rank, world = os.environ.get("RANK", "0").strip(), os.environ.get("WORLD_SIZE", "1").strip()
+    return rank in ("", "0") or world in ("", "1")
 
 
 @contextmanager
