@@ -1,4 +1,4 @@
-"""Megatron-LM's own tools/preprocess_data.py against `corpusforge megatron-preprocess`, same flag lines: bytes and time.
+"""Megatron-LM's own tools/preprocess_data.py against `corpusforge megatron-preprocess`: bytes and time.
 
     python benchmarks/megatron_compat.py MEGATRON_LM_CHECKOUT [--mb 8] [--workers 2] [--repeats 3]
 
@@ -244,9 +244,7 @@ def main() -> None:
             times[kind].append(_run([*cmd, "--output-prefix", str(prefix)], cf_env, a.work))
     same_native = _outputs(a.work / "native0") == _outputs(a.work / "compat0")
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(
-        f"native {med['native']:.2f} s, compat {med['compat']:.2f} s (medians of {a.repeats}); same bytes: {same_native}"
-    )
+    print(f"native {med['native']:.2f} s, compat {med['compat']:.2f} s (medians of {a.repeats}); same: {same_native}")
 
     import importlib.metadata as md
 
