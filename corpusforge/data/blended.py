@@ -29,6 +29,7 @@ from corpusforge._jit import njit
 from corpusforge.data.batch import RawBatch, assemble
 from corpusforge.data.cache import IndexCache, picklable, unpickled
 from corpusforge.data.gpt_dataset import GPTDataset, prefetch_upcoming
+from corpusforge.errors import ArgumentError
 
 # ---------------------------------------------------------------------------------------------------------------
 # the blend list
@@ -58,7 +59,7 @@ def parse_blend(blend: str | Sequence[Any]) -> tuple[list[str], list[float] | No
     """
     items = [blend] if isinstance(blend, str) else list(blend)
     if not items:
-        raise ValueError("blend is empty: give at least one dataset prefix")
+        raise ArgumentError("blend is empty: give at least one dataset prefix")
     numeric = [_as_weight(x) is not None for x in items]
     if not any(numeric):
         return [str(x).strip() for x in items], None
@@ -68,7 +69,7 @@ def parse_blend(blend: str | Sequence[Any]) -> tuple[list[str], list[float] | No
     elif len(items) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2]):
         prefixes, raw = items[1::2], items[0::2]
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"blend {items!r}: expected prefixes only, [prefix, weight, ...] or [weight, prefix, ...] "
             f"({pairs} pairs); a prefix that looks like a number must be given as a path, e.g. './1'"
         )
@@ -82,9 +83,9 @@ def check_weights(prefixes: Sequence[str], weights: Sequence[float]) -> None:
     bad = [f"{p}: {w}" for p, w in zip(prefixes, weights) if not (math.isfinite(w) and w > 0)]
     total = float(np.sum(np.array(weights, dtype=np.float64)))
     if not total > 0 or not math.isfinite(total):
-        raise ValueError(f"blend weights {list(weights)} must sum to a positive number (they sum to {total})")
+        raise ArgumentError(f"blend weights {list(weights)} must sum to a positive number (they sum to {total})")
     if bad:
-        raise ValueError(f"blend weights must be positive and finite; drop a dataset rather than weigh it 0: {bad}")
+        raise ArgumentError(f"blend weights must be positive and finite; drop a dataset rather than weigh it 0: {bad}")
 
 
 def normalize(weights: Sequence[float]) -> list[float]:

@@ -48,6 +48,7 @@ from corpusforge._jit import njit
 from corpusforge.data.batch import RawBatch, assemble
 from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpickled
 from corpusforge.data.mt19937 import shuffle
+from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -153,11 +154,11 @@ def parse_split(split: str) -> list[float]:
     """
     parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not 1 <= len(parts) <= 3:
-        raise ValueError(f"split {split!r}: give one to three comma-separated weights for train,valid,test")
+        raise ArgumentError(f"split {split!r}: give one to three comma-separated weights for train,valid,test")
     parts += [0.0] * (3 - len(parts))
     total = float(np.sum(np.array(parts, dtype=np.float64)))
     if total <= 0:
-        raise ValueError(f"split {split!r}: the weights must sum to a positive number")
+        raise ArgumentError(f"split {split!r}: the weights must sum to a positive number")
     return (np.array(parts, dtype=np.float64) / total).tolist()
 
 
