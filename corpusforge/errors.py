@@ -48,3 +48,11 @@ def first_line(error: BaseException) -> str:
     """
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def refuses_pickle(error: BaseException) -> bool:
+    """Whether np.load(..., allow_pickle=False) raised `error` because the file holds a pickle: an object array
+    ("Object arrays cannot be loaded", "Python objects in dtype"), or no .npy header at all, which numpy then
+    takes for a pickle ("pickled (object) data"). Anything else it raises means a damaged file."""
+    text = str(error)
+    return isinstance(error, ValueError) and ("pickle" in text or "object" in text.lower())

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
+from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused, refuses_pickle
 from corpusforge.indexed import IndexedDataset, fsync_dir, fsync_path
 
 _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -328,8 +328,7 @@ def load_array(path: Path) -> np.ndarray:
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError) as e:
-        # numpy says "pickled (object) data" for a non-.npy file and "Python objects in dtype" for object arrays
-        if "pickle" in str(e) or "object" in str(e).lower():
+        if refuses_pickle(e):
             raise PickleRefusedError(pickle_refused(path, fix)) from None
         raise CacheMismatchError(f"{path}: not a readable .npy array ({first_line(e)}); {fix}") from None
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, PickleRefusedError, pickle_refused, refuses_pickle
 
 
 class RetroError(CorpusforgeError, ValueError):
@@ -46,7 +46,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
-    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except ValueError as e:
+        if refuses_pickle(e):
+            raise PickleRefusedError(pickle_refused(path, "delete the database and build it again")) from None
+        raise
 
 
 def open_dataset(prefix: str | os.PathLike) -> indexed.IndexedDataset:
