@@ -168,3 +168,24 @@ def test_pickled_or_damaged_index_cache_is_refused_naming_it(corpus, finished_ru
     with pytest.raises(error, match=f"{target}: .*delete it \\(an index cache is rebuilt\\)"):
         train(cfg(corpus, run, max_steps=2, checkpoint_interval=2), log=lambda line: None)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ('split="x"', "split 'x': give one to three"),
+        ('split="0,0,0"', "must sum to a positive number"),
+        ('data_path="0.5"', "blend ['0.5']"),
+        ('storage.read_mode="bogus"', "read_mode 'bogus'"),
+        ('dtype="float8"', "dtype = 'float8'"),
+        ('max_steps="x"', "max_steps = 'x'"),
+        ("bogus.key=1", "unknown key 'bogus.key'"),
+        ('resume="/nowhere"', "/nowhere: not a complete checkpoint"),
+        ("global_batch_tokens=500", "not a multiple of micro_batch_size"),
+    ],
+)
+def test_cli_bad_config_value_is_one_line(corpus, tmp_path, override, words):
+    result = CliRunner().invoke(train_cmd, [*trainkit.tiny_overrides(corpus, tmp_path), override])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("corpusforge: error: "), result.stderr
+    assert words in result.stderr, result.stderr
