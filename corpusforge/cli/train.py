@@ -23,9 +23,15 @@ from corpusforge.cli import _report
 @click.option(
     "--dry-run", is_flag=True, help="Build the data, the model (on the meta device) and the plan, print it, stop."
 )
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --dry-run: plan for this many ranks without launching them (default: torchrun's, or 1).",
+)
 @click.option("--list-keys", is_flag=True, help="Print every config key with its default and meaning, and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the closing summary (or the dry-run plan) as JSON.")
-def train_cmd(config_path, overrides, dry_run, list_keys, as_json) -> None:
+def train_cmd(config_path, overrides, dry_run, world_size, list_keys, as_json) -> None:
     """Train a GPT-2-style model on corpusforge token datasets: one process, or one per device under torchrun.
 
     OVERRIDES are key=value pairs applied after the config file, e.g. max_steps=100 lr=3e-4 compile=false.
@@ -39,10 +45,10 @@ def train_cmd(config_path, overrides, dry_run, list_keys, as_json) -> None:
     from corpusforge.train.trainer import train
 
     log = lambda line: click.echo(line, err=as_json)  # noqa: E731 - with --json, stdout holds only the JSON
-    summary = train(cfg, dry_run=dry_run, log=log)
+    summary = train(cfg, dry_run=dry_run, log=log, world_size=world_size if dry_run else None)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if dry_run or as_json:
-        rows = [(k, v) for k, v in summary.items() if not isinstance(v, dict)]
+        rows = [(k, v) for k, v in summary.items() if not isinstance(v, dict) and k != "ranks"]
         rows += [(f"{k}.{kk}", vv) for k, v in summary.items() if isinstance(v, dict) for kk, vv in v.items()]
         _report.print_summary("corpusforge train --dry-run" if dry_run else "", rows, summary if as_json else None)

@@ -427,8 +427,9 @@ def _check_parallel(p: ParallelConfig) -> None:
         inferred = [k for k, v in degrees.items() if v == -1]
         raise ConfigError(f"parallel: {' and '.join(inferred)} are both -1 (inferred); set all but one of them")
     if p.pp_schedule not in PP_SCHEDULES:
-        close = difflib.get_close_matches(p.pp_schedule, PP_SCHEDULES, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
+        lower = {name.lower(): name for name in PP_SCHEDULES}
+        close = difflib.get_close_matches(p.pp_schedule.lower(), list(lower), n=1)
+        hint = f"; did you mean {lower[close[0]]}?" if close else ""
         raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r}: choose one of {PP_SCHEDULES}{hint}")
     if p.activation_checkpoint not in ("none", "selective", "full"):
         raise ConfigError(

@@ -427,3 +427,54 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, pp_group:
     if max_norm < float("inf"):
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
     return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the layout in words (--dry-run)
+
+
+def stages_of_rank(layout: Layout, pp_rank: int, schedule: str) -> list[int]:
+    """The pipeline stages held by the rank at `pp_rank`: one; two looped (r, r + pp); or two in a V (r, 2pp-1-r)
+    for ZB-V (torch.distributed.pipelining's stage placement)."""
+    if layout.pp == 1:
+        return [0]
+    per_rank = MULTI_STAGE.get(schedule, 1)
+    if schedule == "ZBVZeroBubble":
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
+    return [pp_rank + i * layout.pp for i in range(per_rank)]
+
+
+def rank_parameters(layout: Layout, mcfg: GPTConfig | LlamaConfig, stages: list[int], n_params: int) -> int:
+    """Parameters a rank holds before FSDP sharding: its stages' share, divided by tp (norms, replicated, are
+    counted as split: they are a rounding error)."""
+    if layout.pp == 1:
+        return n_params // layout.tp
+    per_layer, first, last = stage_weights(mcfg)
+    n_stages = len(layout.stage_layers)
+    total = sum(len(layout.stage_layers[s]) * per_layer + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+                for s in stages)  # fmt: skip
+    return total // layout.tp
+
+
+def describe_ranks(layout: Layout, mcfg: GPTConfig | LlamaConfig, schedule: str) -> list[dict[str, Any]]:
+    """One row per rank: its mesh coordinates, the layers (and embedding/head) it holds, and which shard."""
+    rows = []
+    n_stages = max(1, len(layout.stage_layers))
+    for rank in range(layout.world):
+        c = layout.coords(rank)
+        stages = stages_of_rank(layout, c["pp"], schedule)
+        parts = []
+        for s in stages:
+            layers = layout.stage_layers[s] if layout.pp > 1 else tuple(range(mcfg.n_layer))
+            extra = (["embedding"] if s == 0 else []) + (["norm+head"] if s == n_stages - 1 else [])
+            parts.append(f"stage {s}: layers {layers[0]}-{layers[-1]}" + (f" + {' + '.join(extra)}" if extra else ""))
+        shard = []
+        if layout.tp > 1:
+            shard.append(f"tp {c['tp']}/{layout.tp} of each layer's heads, MLP columns and vocabulary")
+        if layout.fsdp and layout.dp_shard > 1:
+            shard.append(f"FSDP shard {c['dp_shard']}/{layout.dp_shard} of parameters, grads, optimizer state")
+        if layout.dp_replicate > 1:
+            shard.append(f"replica {c['dp_replicate']}/{layout.dp_replicate}")
+        rows.append({"rank": rank, **c, "dp_rank": layout.dp_rank(rank), "stages": stages, "holds": "; ".join(parts),
+                     "shard": ", ".join(shard) or "whole model"})  # fmt: skip
+    return rows

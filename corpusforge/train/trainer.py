@@ -127,35 +127,30 @@ def model_shape(g: GPTConfig | LlamaConfig) -> dict[str, int]:
 
 
 def memory_estimate(g: GPTConfig | LlamaConfig, n_params: int, cfg: TrainConfig, layout: par.Layout,
-                    dtype: torch.dtype) -> dict:  # fmt: skip
-    """Rough bytes on the most loaded rank: fp32 weights + grads + AdamW moments (16 B/param), divided by tp, by pp
-    (by the largest stage's share) and by dp_shard; activations ~34·T·B·C bytes per layer in 16-bit with flash
-    attention (Korthikanti et al. 2022, table 2, without the 5·a·T² score term; /tp with sequence parallel, as
-    their table 4), doubled in fp32, times the micro-batches a 1F1B stage holds; logits B·T·V/tp in the autocast
-    dtype plus fp32 copy and grad."""
-    b, t, c = cfg.micro_batch_size, cfg.seq_length, g.n_embd
-    half = dtype in (torch.bfloat16, torch.float16)
-    share = 1.0
-    if layout.pp > 1:
-        per_layer, first, last = par.stage_weights(g)
-        sizes = [len(s) * per_layer + (first if i == 0 else 0) + (last if i == len(layout.stage_layers) - 1 else 0)
-                 for i, s in enumerate(layout.stage_layers)]  # fmt: skip
-        share = max(sizes) * len(sizes) / layout.pp / max(1, sum(sizes))  # stages per rank x the largest stage
-    params = n_params * share / layout.tp
+                    dtype: torch.dtype, pp_rank: int = 0) -> dict:  # fmt: skip
+    """Rough bytes on a rank at pipeline position `pp_rank`: fp32 weights, grads and AdamW's two moments (4 + 4 +
+    8 B/param) of its stages' parameters, divided by tp and by dp_shard under FSDP; activations ~34·T·B·C bytes
+    per layer in 16-bit with flash attention (Korthikanti et al. 2022, table 2, without the 5·a·T² score term;
+    /tp with sequence parallel, their table 4), doubled in fp32, times the micro-batches a stage holds at once
+    (GPipe: all; 1F1B and the others: up to pp); logits B·T·V/tp in the autocast dtype plus fp32 copy and grad on
+    the rank with the head."""
+    stages = par.stages_of_rank(layout, pp_rank, cfg.parallel.pp_schedule)
+    params = par.rank_parameters(layout, g, stages, n_params)
     weights = params * 4 / (layout.dp_shard if layout.fsdp else 1)
-    grads, optimizer = weights, 2 * weights
-    layers = g.n_layer * share
-    in_flight = layout.pp if layout.pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches' activations
-    micro_b = b / (layout.microbatches if layout.pp > 1 else 1)
-    tp_act = layout.tp if cfg.parallel.sequence_parallel else 1
-    activations = (34 if half else 68) * t * micro_b * c * layers * in_flight / tp_act
-    ac = cfg.parallel.activation_checkpoint
-    if ac == "full":  # only each block's input is kept: 2·T·B·C bytes (4 in fp32)
-        activations = (2 if half else 4) * t * micro_b * c * layers * in_flight / tp_act
-    elif ac == "selective":
-        activations *= 0.6  # the pointwise outputs recomputed (torchtitan reports ~40% saved with op-level SAC)
-    logits = b * t * g.padded_vocab * ((2 if half else 4) + 8) / layout.tp
-    out = {"params_gb": weights, "grads_gb": grads, "optimizer_gb": optimizer, "activations_gb": activations,
+    half = dtype in (torch.bfloat16, torch.float16)
+    t, c = cfg.seq_length, g.n_embd
+    layers, b, in_flight, has_head = g.n_layer, cfg.micro_batch_size, 1, True
+    if layout.pp > 1:
+        layers = sum(len(layout.stage_layers[s]) for s in stages)
+        b = cfg.micro_batch_size // layout.microbatches
+        in_flight = layout.microbatches if cfg.parallel.pp_schedule == "GPipe" else min(layout.microbatches, layout.pp)
+        has_head = len(layout.stage_layers) - 1 in stages
+    per_token_layer = {"none": 34 if half else 68, "selective": 20 if half else 40, "full": 2 if half else 4}
+    # selective: the pointwise outputs recomputed, ~40% less (torchtitan's op-level SAC); full: the block input only
+    sp = layout.tp if cfg.parallel.sequence_parallel else 1
+    activations = per_token_layer[cfg.parallel.activation_checkpoint] * t * b * c * layers * in_flight / sp
+    logits = b * t * g.padded_vocab * ((2 if half else 4) + 8) / layout.tp if has_head else 0
+    out = {"params_gb": weights, "grads_gb": weights, "optimizer_gb": 2 * weights, "activations_gb": activations,
            "logits_gb": logits}  # fmt: skip
     out = {k: v / 1e9 for k, v in out.items()}
     out["total_gb"] = sum(out.values())
@@ -239,8 +234,9 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
         g, model.num_params(embeddings=False), cfg.seq_length
     )
     dtype = autocast_dtype(cfg, rt.device)
-    plan = Plan(cfg, rt, g, layout, accum, n_params, fpt, memory_estimate(g, n_params, cfg, layout, dtype),
-                data=data, resume_from=resume_from)  # fmt: skip
+    memory = max((memory_estimate(g, n_params, cfg, layout, dtype, r) for r in range(layout.pp)),
+                 key=lambda m: m["total_gb"])  # the most loaded pipeline position  # fmt: skip
+    plan = Plan(cfg, rt, g, layout, accum, n_params, fpt, memory, data=data, resume_from=resume_from)
     if dry_run:
         return plan
     plan.model, plan.step_model = wrap_model(model, cfg, rt, layout, plan)
@@ -432,22 +428,49 @@ def default_log(rt: Runtime) -> Log:
     return (lambda line: print(line, flush=True)) if rt.is_main else (lambda line: None)
 
 
-def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None) -> dict[str, Any]:
-    """Run (or, with dry_run, only plan) the training described by `cfg`; returns the summary."""
+def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None, world_size: int | None = None) -> dict:
+    """Run (or, with dry_run, only plan) the training described by `cfg`; returns the summary. A dry run plans
+    for `world_size` ranks when given (default: torchrun's WORLD_SIZE, or 1) and prints which rank holds what."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-    layout = par.resolve_layout(cfg, world, model_config(cfg))  # before any process group or collective
-    rt = setup_runtime(cfg)
+    layout = par.resolve_layout(cfg, world_size or world, model_config(cfg))  # before any process group
+    rt = setup_runtime(cfg) if not (dry_run and world_size) else Runtime()
     log = log if log is not None and rt.is_main else default_log(rt)
     try:
         plan = prepare(cfg, rt, layout, dry_run)
         if dry_run:
-            return {"dry_run": True, **plan.summary()}
+            return dry_run_report(plan, log)
         summary = run(plan, log)
         rt.barrier()  # no rank tears the group down while another is still in a collective
         return summary
     finally:
         if rt.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def dry_run_report(plan: Plan, log: Log) -> dict[str, Any]:
+    """The plan, which rank holds which layers and shard, and each pipeline position's memory estimate; logged as
+    a table (one line per rank up to 64 ranks, else per pipeline and tensor position) and returned as data."""
+    cfg, layout = plan.cfg, plan.layout
+    dtype = autocast_dtype(cfg, plan.rt.device)
+    memory = [memory_estimate(plan.gpt, plan.n_params, cfg, layout, dtype, r) for r in range(layout.pp)]
+    ranks = par.describe_ranks(layout, plan.gpt, cfg.parallel.pp_schedule)
+    for row in ranks:
+        row["memory_gb"] = {k: round(v, 3) for k, v in memory[row["pp"]].items()}
+    pipeline = f", {layout.microbatches} pipeline micro-batches ({cfg.parallel.pp_schedule})" if layout.pp > 1 else ""
+    log(
+        f"layout: {layout.describe()} on {layout.world} rank(s); dp={layout.dp}, grad_accum={plan.grad_accum}{pipeline}"
+    )
+    shown = ranks if len(ranks) <= 64 else [r for r in ranks if r["dp_rank"] == 0]
+    for row in shown:
+        m = row["memory_gb"]
+        log(
+            f"  rank {row['rank']:>4} pp {row['pp']} dp {row['dp_rank']} tp {row['tp']} | {row['holds']} | "
+            f"{row['shard']} | ~{m['total_gb']:.2f} GB: params {m['params_gb']:.2f}, grads {m['grads_gb']:.2f}, "
+            f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}, logits {m['logits_gb']:.2f}"
+        )
+    if len(shown) < len(ranks):
+        log(f"  ... {len(ranks) - len(shown)} more ranks: the same with other data-parallel coordinates")
+    return {"dry_run": True, **plan.summary(), "ranks": ranks}
 
 
 def run(plan: Plan, log: Log) -> dict[str, Any]:

@@ -72,3 +72,36 @@ def tiny_overrides(data_path: str, out_dir: Path | str, **extra) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(overrides: list[str], nproc: int, timeout: int = 240, check: bool = True):
+    """`torchrun -m corpusforge.train` in its own process group of `nproc` gloo ranks, killed after `timeout`
+    seconds (a hung collective fails the test instead of hanging CI); returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "corpusforge.train", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line or "rank" in line]
+        raise AssertionError(
+            f"torchrun {nproc} exit {done.returncode}:\n" + done.stdout[-2000:] + "\n".join(errors[-40:])
+        )
+    return done
+
+
+def run_records(out_dir: Path | str, kind: str = "train") -> dict[int, dict]:
+    from corpusforge.train.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(Path(out_dir) / "metrics.jsonl", kind)}

@@ -1,0 +1,168 @@
+"""The parallel plan: every layout trains like one process (fp32, same seed, same data: the same losses and
+gradient norms, step by step), and every impossible layout is one line before any process group starts.
+
+Each distributed run is its own `torchrun` (gloo on CPU) under a hard timeout: pipelining and DTensor on gloo have
+no upstream CI, and a hang must fail the test rather than CI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trainkit
+
+from corpusforge.train import load_config, train
+from corpusforge.train.config import ConfigError
+from corpusforge.train.parallel import balance_stages, resolve_layout
+from corpusforge.train.trainer import model_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+FAMILIES = {
+    "gpt2": ['model_family="gpt2"'],
+    "llama": ['model_family="llama"', "n_kv_head=2", "ffn_hidden=64"],  # GQA: 4 query heads share 2 KV heads
+}
+# (processes, overrides): fp32 losses must match one process within rtol 1e-5
+LAYOUTS = {
+    "tp2-sp-lossparallel": (2, ["parallel.tp=2", "parallel.dp_replicate=1"]),
+    "fsdp2xtp2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1"]),
+}
+SLOW = {"fsdp2xtp2"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainkit.write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov_text_document")
+
+
+def overrides(corpus: str, out, family: str, *extra: str) -> list[str]:
+    base = trainkit.tiny_overrides(corpus, out, n_layer=2, n_head=4, max_steps=4, eval_interval=0,
+                                   checkpoint_interval=0, async_checkpoint="false", resume='"never"')  # fmt: skip
+    return [*base, *FAMILIES[family], *extra]
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory) -> dict[str, dict]:
+    """The one-process reference run of each family."""
+    out = {}
+    for family in FAMILIES:
+        d = tmp_path_factory.mktemp(f"single-{family}")
+        train(load_config(None, overrides(corpus, d, family)), log=lambda line: None)
+        out[family] = trainkit.run_records(d)
+    return out
+
+
+def assert_same_run(got: dict[int, dict], want: dict[int, dict]) -> None:
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        a, b = [got[s][key] for s in sorted(got)], [want[s][key] for s in sorted(want)]
+        assert a == pytest.approx(b, rel=1e-5), (key, a, b)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS], ids=str
+)
+def test_layout_trains_like_one_process(corpus, single, tmp_path, family, layout):
+    nproc, extra = LAYOUTS[layout]
+    done = trainkit.torchrun(overrides(corpus, tmp_path, family, *extra), nproc=nproc, timeout=240)
+    assert '"layout"' in done.stdout
+    assert_same_run(trainkit.run_records(tmp_path), single[family])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad layouts: one line each, before any collective
+
+
+def layout_of(*extra: str, world: int, family: str = "llama"):
+    cfg = load_config(None, ["n_layer=4", "n_head=4", "n_embd=32", "model=\"custom\"", "vocab_size=64",
+                             "seq_length=32", *FAMILIES[family], *extra])  # fmt: skip
+    return resolve_layout(cfg, world, model_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (["parallel.tp=2", "parallel.dp_replicate=1"], 4, r"dp_shard 1 x tp 2 = 2 but there are 4 rank\(s\)"),
+        (["parallel.tp=3"], 8, r"8 rank\(s\) do not divide by .* = 3"),
+        (["parallel.tp=4", "parallel.dp_replicate=1"], 4, "tp = 4 does not divide n_kv_head 2"),
+        (["parallel.tp=8", "parallel.dp_replicate=1"], 8, "tp = 8 does not divide n_head 4"),
+        (["parallel.pp=8", "parallel.dp_replicate=1"], 8, "a stage would hold no layer"),
+        (["parallel.pp=2", 'parallel.pp_schedule="Interleaved1F1B"', "parallel.pp_layers=[2, 2]"], 2, "give 4 counts"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "does not divide micro_batch_size"),
+        (["parallel.cpu_offload=true"], 2, "cpu_offload needs FSDP2"),
+        (["parallel.tp=2", "seq_length=31"], 2, "does not divide seq_length 31"),
+    ],
+)
+def test_bad_layouts_are_one_line(extra, world, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        layout_of(*extra, world=world)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('parallel.pp_schedule="1f1b"', "choose one of .*did you mean 1F1B"),
+        ('parallel.pp_schedule="Chimera"', "pp_schedule = 'Chimera': choose one of"),
+        ("parallel.dp_shard=-1", "dp_replicate and dp_shard are both -1"),
+        ("parallel.tp=0", "parallel.tp = 0: give a degree"),
+        ("parallel.tensor=2", "unknown key 'tensor'"),
+        ('parallel.activation_checkpoint="some"', '"none", "selective" or "full"'),
+    ],
+)
+def test_bad_parallel_keys(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_degrees_are_inferred_and_ranks_placed():
+    layout = layout_of("parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=-1", world=8)
+    assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp) == (2, 1, 2, 2)
+    assert layout.stage_layers == ((0, 1), (2, 3))
+    # tp innermost: ranks 0 and 1 hold the two halves of each layer and read the same batch
+    assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert layout.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+
+
+def test_stages_balance_parameters():
+    assert balance_stages(8, 2, 10, 0, 0) == [4, 4]
+    assert balance_stages(8, 2, 10, 0, 40) == [6, 2]  # a heavy head: fewer layers on the last stage
+    assert balance_stages(5, 5, 10, 100, 100) == [1, 1, 1, 1, 1]  # at least one layer each
+
+
+def test_a_wrong_layout_stops_before_the_process_group(corpus, tmp_path):
+    """RANK/WORLD_SIZE set as torchrun would, but no rendezvous anywhere: a check after init_process_group would
+    hang on it; the error comes first, as one line."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(trainkit.free_port())}  # fmt: skip
+    cmd = [sys.executable, "-m", "corpusforge.train", *overrides(corpus, tmp_path, "llama", "parallel.tp=2")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(lines) == 1 and "3 rank(s) do not divide by" in lines[0] and "tp 2 = 2" in lines[0], done.stderr
+
+
+def test_dry_run_shows_each_ranks_layers_shard_and_memory(tmp_path):
+    """Llama 3.1 8B on 8 ranks (tp 2 x pp 2, FSDP over the 2 left), planned on the meta device in one process."""
+    lines: list[str] = []
+    cfg = load_config(
+        CONFIGS / "llama3-8b.toml",
+        ["parallel.tp=2", "parallel.pp=2", "max_steps=1", "global_batch_tokens=131072", 'data_source="synthetic"',
+         'device="cpu"', 'dtype="bfloat16"', f'out_dir="{tmp_path}"'],
+    )  # fmt: skip
+    plan = train(cfg, dry_run=True, log=lines.append, world_size=8)
+    assert plan["params"] == 8_030_261_248 and plan["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    ranks = plan["ranks"]
+    assert [r["stages"] for r in ranks] == [[0]] * 4 + [[1]] * 4
+    assert "layers 0-15 + embedding" in ranks[0]["holds"] and "layers 16-31 + norm+head" in ranks[7]["holds"]
+    assert "FSDP shard 1/2" in ranks[3]["shard"] and "tp 1/2" in ranks[3]["shard"]
+    # 4 B/param fp32 weights of a quarter of the model (each stage holds half, tp halves it), FSDP halves it again
+    first, last = ranks[0]["memory_gb"], ranks[7]["memory_gb"]
+    assert first["params_gb"] == pytest.approx(8.03 / 2 / 2 / 2 * 4, rel=0.02)
+    assert first["optimizer_gb"] == pytest.approx(2 * first["params_gb"], rel=1e-3)
+    assert first["logits_gb"] == 0 and last["logits_gb"] > 0  # the head and its logits live on the last stage
+    assert sum(line.startswith("  rank ") for line in lines) == 8
