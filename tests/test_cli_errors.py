@@ -255,11 +255,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_torchrun_config_error_is_printed_once(tmp_path):
+# Run by torchrun for the error of one rank alone: rank 1 fails in prepare(), rank 0 waits there as a rank waits
+# in a collective. The fault is injected here, in the test's own wrapper, not by a hook in the trainer.
+ONE_RANK_FAILS = """
+import os, time
+import corpusforge.train.trainer as trainer
+from corpusforge.errors import CorpusforgeError
+def prepare(*args, **kwargs):
+    if os.environ["RANK"] == "1":
+        raise CorpusforgeError("rank 1 alone: /scratch/rank1 is full")
+    time.sleep(300)
+trainer.prepare = prepare
+from corpusforge.cli.train import train_cmd
+train_cmd(prog_name="python -m corpusforge.train")
+"""
+
+
+def _torchrun(tmp_path: Path, *target: str) -> tuple[int, str]:
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-    command += ["-m", "corpusforge.train", f'out_dir="{tmp_path / "run"}"', 'device="cpu"', "bogus.key=1"]
+    command += [*target, f'out_dir="{tmp_path / "run"}"', 'device="cpu"']
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -271,7 +286,22 @@ def test_torchrun_config_error_is_printed_once(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
         proc.communicate()
         raise
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_torchrun_config_error_is_printed_once_by_rank_0(tmp_path):
+    code, out = _torchrun(tmp_path, "-m", "corpusforge.train", "bogus.key=1")
     lines = [ln for ln in out.splitlines() if ln.startswith(ERROR)]
-    assert proc.returncode != 0, out
+    assert code != 0, out
     assert len(lines) == 1 and "unknown key 'bogus.key'" in lines[0], out
     assert not re.search(r"^\s*File .*corpusforge", out, re.M), out  # no traceback from our code, in any rank
+
+
+@pytest.mark.slow
+def test_torchrun_error_of_one_rank_alone_reaches_torchruns_report(tmp_path):
+    (tmp_path / "one_rank_fails.py").write_text(ONE_RANK_FAILS)
+    code, out = _torchrun(tmp_path, str(tmp_path / "one_rank_fails.py"))
+    assert code != 0 and out.count("rank 1 alone: /scratch/rank1 is full") == 1, out
+    assert re.search(r"traceback : rank 1 alone: /scratch/rank1 is full", out), out  # torchrun's root cause
+    assert not re.search(r"^\s*File .*corpusforge", out, re.M), out
