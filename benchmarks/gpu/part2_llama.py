@@ -1,0 +1,89 @@
+"""Part 2: the Llama-style model of the parallel trainer (corpusforge/train/llama.py) on one GPU: tokens/s and MFU.
+
+Optional: the kit checks that the trainer really builds the llama family (a dry run of `llama3-tiny` must plan the
+parameter count of corpusforge.train.llama.Llama of that shape) and is skipped with the reason otherwise. Full mode
+trains llama3-1b (Llama 3.2 1B: 16 layers, 2048 wide, GQA 32:8), sequence 2048, bf16, torch.compile, on synthetic
+tokens already on the GPU; smoke mode llama3-tiny on CPU. MFU uses the trainer's own FLOPs per token.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Context, Skip, first_line, need_cuda, part_main, train_run  # noqa: E402
+
+SIZES = {
+    False: {"model": "llama3-1b", "seq": 2048, "micro": 4, "accum": 4, "steps": 15, "log": 5},
+    True: {"model": "llama3-tiny", "seq": 64, "micro": 2, "accum": 1, "steps": 4, "log": 2},
+}
+
+
+def llama_support() -> str | None:
+    """None when the trainer builds the llama family, else the reason to skip."""
+    try:
+        import torch
+
+        from corpusforge.train import config, load_config, train
+        from corpusforge.train.llama import Llama, LlamaConfig
+    except ImportError as e:
+        return f"no Llama model in corpusforge.train yet ({first_line(e)})"
+    if "llama3-tiny" not in getattr(config, "LLAMA_PRESETS", {}):
+        return "corpusforge.train.config has no llama3-tiny preset"
+    try:
+        cfg = load_config(None, ["model=llama3-tiny", "data_source=synthetic", "device=cpu", "seq_length=64",
+                                 "micro_batch_size=1", "global_batch_tokens=64", "eval_interval=0"])  # fmt: skip
+        planned = train(cfg, dry_run=True, log=lambda line: None)["params"]
+        n_layer, n_head, n_embd = cfg.model_shape()
+        shape = cfg.llama_shape()
+        with torch.device("meta"):
+            llama = Llama(LlamaConfig(n_layer=n_layer, n_head=n_head, n_kv_head=shape["n_kv_head"], n_embd=n_embd,
+                                      ffn_hidden=shape["ffn_hidden"], vocab_size=cfg.vocab_size, block_size=64,
+                                      tie_embeddings=shape["tie_embeddings"]))  # fmt: skip
+        expected = sum(p.numel() for p in llama.parameters())
+    except Exception as e:  # noqa: BLE001 - any failure here means: not usable yet
+        return f"the trainer cannot plan llama3-tiny yet ({first_line(e)})"
+    if planned != expected:
+        return (
+            f"the trainer does not build the llama family yet (llama3-tiny planned {planned:,} parameters, a "
+            f"Llama of that shape has {expected:,})"
+        )
+    return None
+
+
+def run(ctx: Context) -> None:
+    need_cuda(ctx)
+    reason = llama_support()
+    if reason:
+        raise Skip(reason)
+    s = SIZES[ctx.smoke]
+    hw = (
+        ["device=cpu", "compile=false", "vocab_size=512"]
+        if ctx.smoke
+        else ["device=cuda", "dtype=bfloat16", "compile=true"]
+    )
+    summary, metrics = train_run([
+        f"model={s['model']}", "data_source=synthetic", f"seq_length={s['seq']}", f"micro_batch_size={s['micro']}",
+        f"global_batch_tokens={s['micro'] * s['seq'] * s['accum']}", f"max_steps={s['steps']}",
+        f"log_interval={s['log']}", f"warmup_steps={s['log']}", "eval_interval=0", "checkpoint_interval=0",
+        "keep_checkpoints=1", "tensorboard=false", f"out_dir={ctx.work / 'run-llama'}", "resume=never", *hw,
+    ])  # fmt: skip
+    plan = next((m for m in metrics if m.get("kind") == "plan"), {})
+    ctx.result["runs"]["synthetic"] = {
+        "model": s["model"],
+        "params": plan.get("params"),
+        "flops_per_token": plan.get("flops_per_token"),
+        "seq_length": s["seq"],
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "mfu": summary.get("mfu"),
+        "seconds": summary.get("seconds"),
+        "final_loss": summary.get("final_loss"),
+    }
+    mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary.get("mfu") else ""
+    ctx.result["headline"] = f"{s['model']} seq {s['seq']}: {summary['tokens_per_s']:,.0f} tok/s{mfu}"
+
+
+if __name__ == "__main__":
+    part_main(run, part=2, name="llama")
