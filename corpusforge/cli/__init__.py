@@ -15,6 +15,7 @@ from corpusforge import __version__
 from corpusforge.cli import _report
 from corpusforge.cli.bench_io import bench_io_cmd
 from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
+from corpusforge.cli.export_hf import export_hf_cmd
 from corpusforge.cli.megatron_preprocess import megatron_preprocess_cmd
 from corpusforge.cli.preprocess import preprocess_cmd
 from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd
@@ -39,6 +40,7 @@ COMMANDS = (
     query_knn_cmd,
     bench_io_cmd,
     train_cmd,
+    export_hf_cmd,
 )
 for command in COMMANDS:
     main.add_command(command)

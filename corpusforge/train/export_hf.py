@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ def hf_config(cfg: GPTConfig | LlamaConfig) -> Any:
             tie_word_embeddings=cfg.tie_embeddings,
             attention_bias=False,
             mlp_bias=False,
-            torch_dtype="float32",
+            dtype="float32",
         )
     return transformers.GPT2Config(
         vocab_size=cfg.padded_vocab,
@@ -69,7 +68,7 @@ def hf_config(cfg: GPTConfig | LlamaConfig) -> Any:
         attn_pdrop=cfg.dropout,
         layer_norm_epsilon=1e-5,
         tie_word_embeddings=True,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -141,49 +140,51 @@ def to_hf(model: GPT | Llama) -> Any:
     return to_hf_from_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.cfg)
 
 
-def export_hf(run_dir: str | Path, output: str | Path, checkpoint: str | Path | None = None) -> Path:
-    """Write the latest (or the given) checkpoint of `run_dir` to `output` as safetensors + config.json (+ the
-    tokenizer when it is a Hugging Face one); returns `output`."""
-    from corpusforge.train.checkpoint import CheckpointError, latest_checkpoint, load_model_state
+def export_hf(run_dir: str | Path, output: str | Path, checkpoint: str | Path | None = None,
+              tokenizer: str | Path | None = None) -> Path:  # fmt: skip
+    """Write the latest (or the given) checkpoint of `run_dir` to `output` as model.safetensors + config.json,
+    with `tokenizer` (a Hugging Face tokenizer directory or tokenizer.json) copied beside them; returns `output`.
+    Checkpoints are layout-free (full state), so a run trained with any tp/pp/FSDP layout exports alike."""
+    from corpusforge.train import checkpoint as ckpt
     from corpusforge.train.config import TrainConfig
     from corpusforge.train.trainer import model_config
 
     run_dir, output = Path(run_dir), Path(output)
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(run_dir)
     if path is None:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint under checkpoints/; train first or give --checkpoint")
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: missing; export-hf needs the run's config.json beside checkpoints/")
-    cfg = TrainConfig.from_dict(json.loads(config_file.read_text()))
-    mcfg = model_config(cfg)
-    with torch.device("meta"):
-        model = (Llama if isinstance(mcfg, LlamaConfig) else GPT)(mcfg)
-    state = load_model_state(path, model)
+        raise ckpt.CheckpointError(
+            f"{run_dir}: no complete checkpoint under checkpoints/; train first, or give --checkpoint"
+        )
+    meta = ckpt.load_meta(path)
+    if "config" not in meta:
+        raise ckpt.CheckpointError(f"{path}/meta.json: records no config; export a checkpoint written by this version")
+    mcfg = model_config(TrainConfig.from_dict(meta["config"]))
+    state = ckpt._torch_load(path / "model.pt", mmap=True)
     hf = to_hf_from_state(state, mcfg)
     output.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(output, safe_serialization=True)
-    _copy_tokenizer(cfg, output)
+    if tokenizer:
+        _copy_tokenizer(Path(tokenizer), output)
     return output
 
 
 def to_hf_from_state(state: dict[str, torch.Tensor], cfg: GPTConfig | LlamaConfig) -> Any:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_config(hf_config(cfg), torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
     hf.load_state_dict(hf_state_dict({k: v.float() for k, v in state.items()}, cfg), strict=True)
     return hf.eval()
 
 
-def _copy_tokenizer(cfg: Any, output: Path) -> None:
-    """Copy a Hugging Face tokenizer (directory or tokenizer.json) named by the config's `tokenizer` key."""
-    name = getattr(cfg, "tokenizer", "")
-    if not name:
-        return
-    src = Path(name)
+def _copy_tokenizer(src: Path, output: Path) -> None:
+    """Copy a Hugging Face tokenizer: a directory's tokenizer files, or one tokenizer.json."""
+    from corpusforge.errors import CorpusforgeError
+
     if src.is_dir() and (src / "tokenizer.json").is_file():
         for f in src.iterdir():
             if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
                 shutil.copy2(f, output / f.name)
     elif src.is_file() and src.name.endswith(".json"):
         shutil.copy2(src, output / "tokenizer.json")
+    else:
+        raise CorpusforgeError(f"{src}: not a Hugging Face tokenizer (a directory with tokenizer.json, or a .json)")

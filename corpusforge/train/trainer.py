@@ -29,6 +29,7 @@ from corpusforge.data.loader import LoaderStateError
 from corpusforge.train import checkpoint as ckpt
 from corpusforge.train import llama
 from corpusforge.train import parallel as par
+from corpusforge.train import pipeline as pipe
 from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps
 from corpusforge.train.data import TrainData, build_data, check_vocab
 from corpusforge.train.llama import Llama, LlamaConfig
@@ -172,7 +173,11 @@ class Plan:
     step_model: torch.nn.Module | None = None  # what forward passes call (DDP wrapper or the model)
     optimizer: torch.optim.Optimizer | None = None
     resume_from: Path | None = None
+    stage_ids: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
     mesh: Any = None  # the DeviceMesh (pp, dp_replicate, dp_shard, tp) when the layout needs one
+    schedule: Any = None  # the pipeline schedule when pp > 1 (then `model` is a ModuleList of this rank's stages)
+    gather_group: Any = None  # pp > 1: the ranks that send their stage's state to rank 0 when saving
+    tied_group: Any = None  # pp > 1 with a tied embedding: the ranks of the first and last stage (pipeline.py)
 
     def loss_context(self):
         """loss_parallel() when the head's logits stay vocabulary-sharded (forward and backward both need it)."""
@@ -240,7 +245,10 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     if dry_run:
         return plan
     plan.model, plan.step_model = wrap_model(model, cfg, rt, layout, plan)
-    plan.optimizer = make_optimizer(plan.model, cfg, rt.device)
+    if plan.schedule is not None:  # one optimizer per stage, so that each state is keyed by parameter names
+        plan.optimizer = pipe.Optimizers([make_optimizer(part, cfg, rt.device) for part in plan.model])
+    else:
+        plan.optimizer = make_optimizer(plan.model, cfg, rt.device)
     return plan
 
 
@@ -249,7 +257,9 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
     """(model to save, model to call): the parallel plan (TP/SP, activation checkpointing, FSDP2/HSDP) on a mesh
     when the layout needs one; else torch.compile in place (state-dict keys unchanged), then DDP or nothing."""
     compiled = use_compile(cfg, rt.device)
-    if layout.tp > 1 or layout.pp > 1 or layout.fsdp:
+    if layout.pp > 1:
+        return wrap_pipeline(model, cfg, rt, layout, plan, compiled)
+    if layout.tp > 1 or layout.fsdp:
         plan.mesh = par.build_mesh(layout, rt.device.type)
         par.parallelize(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
         if compiled and not layout.fsdp:
@@ -264,6 +274,42 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
         ids = [rt.local_rank] if rt.device.type == "cuda" else None
         return model, DDP(model, device_ids=ids, gradient_as_bucket_view=True)
     return model, model
+
+
+def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.Layout, plan: Plan,
+                  compiled: bool) -> tuple[torch.nn.Module, None]:  # fmt: skip
+    """This rank's pipeline stages, each parallelized like a whole model, and the schedule that runs them."""
+    plan.mesh = par.build_mesh(layout, rt.device.type)
+    parts = pipe.split_model(model, layout, layout.coords(rt.rank)["pp"], cfg.parallel.pp_schedule)
+    for _, part in parts:
+        par.parallelize(part, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
+    plan.tied_group = pipe.tied_group(layout, rt.rank, model)
+    scale = plan.grad_accum * layout.microbatches
+
+    def loss_of_microbatch(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Masked positions come as target -1 (the schedule passes one target tensor)."""
+        return loss_fn(logits, targets.clamp(min=0), (targets >= 0).float()) / scale
+
+    plan.schedule = pipe.build_schedule(parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(),
+                                        rt.device, loss_of_microbatch)  # fmt: skip
+    plan.stage_ids = [s for s, _ in parts]
+    plan.gather_group = pipe.gather_group(layout, rt.rank)
+    return torch.nn.ModuleList([m for _, m in parts]), None
+
+
+def pipeline_pass(plan: Plan, batch: dict[str, torch.Tensor], train: bool = True) -> torch.Tensor:
+    """One batch through the pipeline (forward and backward when `train`): the batch's mean loss / grad_accum on
+    the ranks with the last stage, zero elsewhere."""
+    last = len(plan.layout.stage_layers) - 1
+    targets = torch.where(batch["loss_mask"] > 0, batch["labels"], -1)
+    losses: list[torch.Tensor] = []
+    args = (batch["tokens"],) if 0 in plan.stage_ids else ()
+    run = plan.schedule.step if train else plan.schedule.eval
+    with plan.loss_context(), autocast(plan):
+        run(*args, target=targets, losses=losses)
+    if last in plan.stage_ids:
+        return torch.stack([x.detach() for x in losses]).sum()
+    return torch.zeros((), device=plan.rt.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,9 +362,11 @@ def autocast(plan: Plan):
 
 
 def all_mean(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The mean over the data-parallel ranks of a value that every rank holds (tp ranks hold equal ones), or,
+    under pipelining, that only the last stage's ranks hold (the others hold zero)."""
     if plan.rt.distributed:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        x = x / plan.rt.world_size
+        x = x / (plan.rt.world_size // plan.layout.pp)
     return x
 
 
@@ -332,6 +380,9 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
     for micro in range(plan.grad_accum):
         batch, wait = stream.next()
         waited += wait
+        if plan.schedule is not None:
+            loss_sum += pipeline_pass(plan, batch)
+            continue
         with grad_sync(plan, micro == plan.grad_accum - 1), plan.loss_context():
             with autocast(plan):
                 logits = plan.step_model(batch["tokens"], batch["position_ids"])  # (B, T, V), maybe V-sharded
@@ -339,7 +390,11 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
             loss.backward()
         loss_sum += loss.detach()
     clip = plan.cfg.grad_clip if plan.cfg.grad_clip > 0 else math.inf
-    norm = par.clip_grad_norm_(list(plan.model.parameters()), clip)
+    pp_group = None
+    if plan.schedule is not None:
+        pipe.sync_tied_grads(list(plan.model), plan.tied_group)
+        pp_group = plan.mesh["pp"].get_group()
+    norm = par.clip_grad_norm_(list(plan.model.parameters()), clip, pp_group)
     plan.optimizer.step()
     plan.optimizer.zero_grad(set_to_none=True)
     return all_mean(loss_sum, plan), norm, waited
@@ -351,15 +406,18 @@ def evaluate(plan: Plan, loss_of) -> float:
     loader = plan.data.valid
     loader.load_state_dict(plan.data.valid_start)  # the same batches every time
     stream = DataStream(loader, plan)
-    plan.step_model.eval()
+    plan.model.eval()
     total = torch.zeros((), device=plan.rt.device)
     for _ in range(plan.cfg.eval_batches):
         batch, _ = stream.next()
+        if plan.schedule is not None:
+            total += pipeline_pass(plan, batch, train=False) * plan.grad_accum  # the loss carries 1/grad_accum
+            continue
         with autocast(plan), plan.loss_context():
             total += loss_of(
                 plan.step_model(batch["tokens"], batch["position_ids"]), batch["labels"], batch["loss_mask"]
             )
-    plan.step_model.train()
+    plan.model.train()
     return float(all_mean(total / plan.cfg.eval_batches, plan))
 
 
@@ -376,7 +434,10 @@ def gather_waits(waits: list[float], plan: Plan) -> list[list[float]]:
 def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: MetricsWriter) -> float:
     """Snapshot the state to CPU and hand it to the saver; returns the seconds training stood still."""
     t0 = time.perf_counter()
-    model_sd, optim_sd = ckpt.full_state(plan.model, plan.optimizer)  # collective under FSDP
+    if plan.schedule is not None:  # every stage's state gathered on rank 0: the checkpoint is the same for any layout
+        model_sd, optim_sd = pipe.full_state(list(plan.model), plan.optimizer, plan.gather_group, plan.rt.rank)
+    else:
+        model_sd, optim_sd = ckpt.full_state(plan.model, plan.optimizer)  # collective under FSDP
     rngs = [ckpt.rng_state()]
     if plan.rt.distributed:
         rngs = [None] * plan.rt.world_size
@@ -407,7 +468,13 @@ def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: Met
 
 def resume(plan: Plan, log: Log) -> int:
     """Load the checkpoint into the model, optimizer, loader and RNGs; returns the step to continue after."""
-    state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer)
+    if plan.schedule is not None:
+        path = Path(plan.resume_from)
+        model_sd, optim_sd = ckpt._torch_load(path / "model.pt", mmap=True), ckpt._torch_load(path / "optimizer.pt")
+        pipe.load_state(list(plan.model), plan.optimizer, model_sd, optim_sd)
+        state = ckpt._torch_load(path / "trainer.pt")
+    else:
+        state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer)
     try:
         plan.data.train.load_state_dict(state["loader"])
     except LoaderStateError as e:  # say it in config keys (max_steps 40 -> 80), not in the loader's num_samples
