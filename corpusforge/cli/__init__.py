@@ -3,8 +3,9 @@
 Errors are handled once, at the top of every command (`_report.Command`, which the group insists on): the
 project's own errors become one line on stderr, anything else keeps its traceback.
 
-Exit status: 0 done; 1 error (one line on stderr naming the file and the fix); 2 bad usage;
-3 done, but bad records were skipped (`--on-bad-line skip`), so scripts notice that data was left out.
+Exit status: 0 done; 1 error (one line on stderr naming the file and the fix); 2 bad usage (an option value
+that is not a size, count or number of seconds, say); 3 done, but bad records were skipped (`--on-bad-line
+skip`), so scripts notice that data was left out; 130 interrupted (Ctrl-C). bench-io adds 4 and 5 (stalls, hang).
 """
 
 from __future__ import annotations
