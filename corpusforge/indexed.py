@@ -25,9 +25,9 @@ Opening a dataset validates it (Megatron-Core reads whatever it is given): the h
 non-negative, every pointer equal to the exclusive prefix sum of the lengths times the token size, the last sequence
 ending exactly at the end of the .bin, document indices from 0 to S without going back; vectorised, about 1.2 s per
 1e8 sequences from the page cache on a busy 2-core machine, and when the .idx is cold no more than reading it once
-(benchmarks/index_validation.py). A dtype code changed to another of the same width
-moves no pointer: it is caught by the dtype `corpusforge preprocess` recorded in P.preprocess.json, where there is
-one, and by a sample of tokens that no dtype makes valid ids of (negative, or a float that is not an integer).
+(benchmarks/index_validation.py). A dtype code changed to another of the same width moves no pointer: it is caught
+by the dtype `corpusforge preprocess` recorded in P.preprocess.json, where there is one, and by a sample of tokens
+that are no valid ids under the changed dtype (negative, or a float that is not an integer).
 
 Example:
     >>> with IndexedDatasetWriter("out/corpus_text_document", np.uint16) as w:
