@@ -44,6 +44,7 @@ BASE_ARGS = {
     "bench-io": ["/nonexistent"],
     "train": [],
     "megatron-preprocess": [],
+    "export-hf": ["run", "--output", "hf"],
 }
 BAD = {
     "size": ["-5", "1e400k", "inf", "nan", "-inf", "12x", ""],
@@ -193,9 +194,11 @@ def _cases(d: Path) -> list[tuple[list[str], str]]:
         (["convert", str(d / "nope"), "--output-prefix", str(d / "cv")], "nope"),
         (["train-tokenizer", str(d / "nope.jsonl"), "--vocab-size", "300", "--output", str(d / "t.json")], "nope"),
         (["build-knn", str(d / "nope"), "--output", str(d / "db")], "nope"),
+        (["build-knn", ds, "--output", str(d / "db2"), "--index-key", "Bogus123"], "could not parse index string"),
         (["query-knn", str(d / "nodb"), "text"], "nodb"),
         (["bench-io", str(d / "nodir"), "--pattern", "seq-read"], "nodir"),
         (["train", "bogus.key=1"], "unknown key 'bogus.key'"),
+        (["export-hf", str(d / "norun"), "--output", str(d / "hf")], "norun"),
         (
             ["megatron-preprocess", "--input", str(d / "nope.jsonl"), "--output-prefix", "o"]
             + ["--tokenizer-type", "GPT2BPETokenizer"],

@@ -219,6 +219,12 @@ def plan_index(
         raise RetroError(f"--kmeans {kmeans}: choose one of {', '.join(KMEANS)}")
     plan_for = partial(_plan_for_key, n=n, dim=dim, train_per_list=train_per_list, kmeans=kmeans)
     if key is not None:
+        try:  # faiss parses the string now, before any stage runs, not after hours of embedding
+            import_faiss().index_factory(dim, key)
+        except RuntimeError as e:
+            reason = str(e).strip().rsplit(": ", 1)[-1]  # faiss's words, after its C++ source location
+            hint = "give a faiss index_factory string, e.g. IVF1024,Flat"
+            raise RetroError(f"--index-key {key!r}: {reason}; {hint}") from None
         return plan_for(key)
     full = min(max_memory, ram if ram is not None else max_memory)
     if n < 1000 and n * dim * 4 <= full:
