@@ -274,6 +274,27 @@ def test_build_knn_refuses_before_any_work(fault, tmp_path):
     assert not out.exists()
 
 
+def test_remote_dataset_refuses(fault, request):
+    """An fsspec URL (memory:// here, s3:// in use) goes through the same checks; of the dtype signals it has the
+    token sample of the first 4096 tokens only (one small ranged GET; no P.preprocess.json beside an object)."""
+    import fsspec
+
+    from corpusforge.storage import RemoteDataset
+
+    prefix, name, message = fault
+    if name == "dtype same width, recorded":
+        message = FAULTS["dtype same width, sampled int32 as float32"][2]
+    fs, key = fsspec.filesystem("memory"), f"/{request.node.callspec.id}/x_text_document".replace(" ", "_")
+    for ext in ("bin", "idx"):
+        fs.pipe(f"{key}.{ext}", Path(f"{prefix}.{ext}").read_bytes())
+    try:
+        with pytest.raises(IndexedFormatError, match=message) as e:
+            RemoteDataset(f"memory://{key}")
+        assert f"memory://{key}" in str(e.value)
+    finally:
+        fs.rm(key.rsplit("/", 1)[0], recursive=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # convert reads the legacy format: its faults are the legacy fields (tests/test_legacy.py's table), through the CLI
 
