@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import json
 import os
 import re
 import signal
@@ -159,6 +160,28 @@ def test_other_exceptions_propagate_as_bugs(error):
     assert result.exception is error and ERROR not in result.output
 
 
+@pytest.mark.parametrize(
+    "rank, world, prints", [("1", "2", False), ("0", "2", True), ("3", "1", True), ("3", "", True)]
+)
+def test_only_rank_0_of_a_torchrun_job_prints_and_the_others_tell_torchrun(monkeypatch, tmp_path, rank, world, prints):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(_report, "PEER_EXIT_DELAY_S", 0.0)
+
+    @click.command("count", cls=_report.Command)
+    @click.option("--n", type=click.IntRange(min=1))
+    def count(n) -> None:
+        raise CorpusforgeError("job.toml: n is odd; give an even n")
+
+    project, usage = CliRunner().invoke(count, ["--n", "3"]), CliRunner().invoke(count, ["--n", "0"])
+    assert (project.exit_code, usage.exit_code) == (1, 2)
+    assert (project.stderr == f"{ERROR}job.toml: n is odd; give an even n\n") is prints, project.stderr
+    assert ("Invalid value for '--n'" in usage.stderr) is prints and (usage.stderr == "") is not prints
+    told = json.loads((tmp_path / "error.json").read_text())["message"] if not prints else None
+    assert told == (None if prints else "job.toml: n is odd; give an even n")
+
+
 def test_the_group_refuses_a_command_without_the_handler():
     with pytest.raises(TypeError, match="cls=_report.Command"):
         _report.Group().add_command(click.Command("plain"))
@@ -293,11 +316,16 @@ def _torchrun(tmp_path: Path, *target: str) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_torchrun_config_error_is_printed_once_by_rank_0(tmp_path):
-    code, out = _torchrun(tmp_path, "-m", "corpusforge.train", "bogus.key=1")
-    lines = [ln for ln in out.splitlines() if ln.startswith(ERROR)]
+@pytest.mark.parametrize(
+    "args, start, words",
+    [(["bogus.key=1"], ERROR, "unknown key 'bogus.key'"), (["--config", "."], "Error: ", "'--config'")],
+    ids=["config-error", "usage-error"],
+)
+def test_torchrun_error_is_printed_once_by_rank_0(tmp_path, args, start, words):
+    code, out = _torchrun(tmp_path, "-m", "corpusforge.train", *args)
+    lines = [ln for ln in out.splitlines() if ln.startswith(start)]
     assert code != 0, out
-    assert len(lines) == 1 and "unknown key 'bogus.key'" in lines[0], out
+    assert len(lines) == 1 and words in lines[0], out
     assert not re.search(r"^\s*File .*corpusforge", out, re.M), out  # no traceback from our code, in any rank
 
 

@@ -118,6 +118,16 @@ class Command(click.Command):
         with one_line_errors(self.name or ""):
             return super().invoke(ctx)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Under torchrun a usage error (exit 2) is shown by rank 0 alone, like the errors above."""
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as e:
+            if is_rank_zero():
+                raise
+            time.sleep(PEER_EXIT_DELAY_S)
+            sys.exit(e.exit_code)
+
 
 class Group(click.Group):
     """The `corpusforge` group: refuses a command that is not a `Command`, so none can lose the handler."""
