@@ -129,8 +129,9 @@ def run(ctx: Context) -> None:
     )
     like_for_like(ctx, s)
     mfu = f", MFU {100 * syn['mfu']:.1f}%" if syn["mfu"] else ""
+    wait = load.get("data_wait_fraction") or 0.0  # the trainer's own count: time in next(loader) over step time
     r["headline"] = (f"synthetic {syn['tokens_per_s']:,.0f} tok/s, loader {load['tokens_per_s']:,.0f} tok/s: "
-                     f"data path costs {100 * gap:.2f}%{mfu}")  # fmt: skip
+                     f"gap {100 * gap:.2f}% (waits {100 * wait:.2f}% of steps){mfu}")  # fmt: skip
 
 
 def like_for_like(ctx: Context, s: dict) -> None:
