@@ -148,6 +148,11 @@ class RetroDataset:
     def __len__(self) -> int:
         return len(self.order)
 
+    @property
+    def remote(self) -> bool:
+        """Whether reads go over the network (the loader's prefetch asks): the tables and tokens are local maps."""
+        return False
+
     def _chunk_ids(self, indices: Any) -> np.ndarray:
         """(B, L) query chunk ids of samples `indices` (negative indices count from the end)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)

@@ -168,8 +168,8 @@ class RetroConfig:
 # Presets. The decoders of the paper's two smallest models (Borgeaud et al. 2021, Table 2: d, d_ffw = 4d, heads,
 # layers; 132M and 368M baselines, 172M and 425M with retrieval), all with the paper's encoder of width 896 and 2
 # layers. Table 2 gives the 172M model 16 heads of size 64 at d = 896 (an attention width of 1024); here the
-# attention width is d, so it has 14 heads of 64. The tiny one runs a training step on a laptop CPU in well
-# under a second, with every part of the model present.
+# attention width is d, so it has 14 heads of 64. The tiny one has every part of the model (6 layers: one RETRO
+# layer by Megatron's rule) at a width a CPU trains.
 RETRO_PRESETS: dict[str, dict] = {
     "retro-tiny-cpu": dict(n_layer=6, n_head=4, n_embd=128, encoder_n_embd=128),
     "retro-172m": dict(n_layer=12, n_head=14, n_embd=896, encoder_n_embd=896, encoder_n_head=14),

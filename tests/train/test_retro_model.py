@@ -243,6 +243,21 @@ def test_presets_match_the_papers_shapes():
         retro_preset("retro-7b", vocab_size=50257)
 
 
+def test_a_gpt_checkpoint_loads_into_the_retro_decoder():
+    """RETROfitting (paper sec. 4.4): the decoder's names are model.GPT's, so a GPT state dict fills everything but
+    the cross-attention layers and the encoder."""
+    cfg = CONFIGS["two-cca-narrow-encoder"]
+    torch.manual_seed(0)
+    gpt = GPT(cfg.decoder())
+    model = RetroModel(cfg)
+    missing, unexpected = model.load_state_dict(gpt.state_dict(), strict=False)
+    assert not unexpected
+    assert missing and all(k.startswith("encoder.") or ".ln_x." in k or ".cca." in k for k in missing)
+    tokens, _, _ = _batch(cfg)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), gpt(tokens))  # retrieval off: the GPT itself
+
+
 def _tasks(cfg: RetroConfig, steps: int, batch: int, seed: int):
     """Batches where retrieval holds the answer: the tokens of chunk j are drawn from a small random set S_j of the
     vocabulary, new for every chunk of every sample; chunk j's neighbour is a near-duplicate from another document
