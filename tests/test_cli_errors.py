@@ -139,7 +139,7 @@ def test_every_project_error_class_is_one_line_with_its_exit_code():
     [
         (OSError(errno.ENOSPC, "No space left on device", "out/x.bin"), 1, "out/x.bin: no space left"),
         (OSError(errno.EDQUOT, "Disk quota exceeded", "out/x.bin"), 1, "out/x.bin: no space left"),
-        (OSError(errno.EACCES, "Permission denied", "/x"), 1, "/x: Permission denied; choose a path you can write"),
+        (OSError(errno.EACCES, "Permission denied", "/x"), 1, "/x: Permission denied; check its permissions"),
         (OSError(errno.EROFS, "Read-only file system", "/ro/x"), 1, "/ro/x: Read-only file system"),
         (FileNotFoundError(errno.ENOENT, "No such file or directory", "in.jsonl"), 1, "in.jsonl: no such file"),
         (FileNotFoundError("a.idx: no such file (a dataset is the pair a.bin/.idx)"), 1, "a.idx: no such file (a"),

@@ -101,8 +101,10 @@ def _os_error_line(e: OSError) -> str | None:
     path = path if path is not None else "output"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{path}: no space left ({e.strerror}); free space or choose another output path"
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if e.errno == errno.EROFS:
         return f"{path}: {e.strerror}; choose a path you can write"
+    if e.errno in (errno.EACCES, errno.EPERM):  # reading an input or writing an output
+        return f"{path}: {e.strerror}; check its permissions or choose another path"
     if isinstance(e, FileNotFoundError):  # the library's own ones carry a message and no errno
         return f"{path}: no such file or directory" if e.filename is not None else str(e)
     if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
