@@ -48,8 +48,9 @@ BASE_ARGS = {
     "export-hf": ["run", "--output", "hf"],
 }
 BAD = {
-    "size": ["-5", "1e400k", "inf", "nan", "-inf", "12x", ""],
+    "size": ["-5", "1e400k", "inf", "nan", "-inf", "9e18", "12x", ""],
     "count": ["0", "-1", "x", "1.5"],
+    "count or 0": ["-1", "x", "1.5"],
     "seconds": ["-1", "inf", "nan", "x"],
 }
 
@@ -60,6 +61,8 @@ def _kind(param: click.Parameter) -> str | None:
         return "size"
     if isinstance(t, CountList) or (isinstance(t, click.IntRange) and t.min is not None and t.min >= 1):
         return "count"
+    if isinstance(t, click.IntRange) and t.min == 0:
+        return "count or 0"
     if isinstance(t, Seconds):
         return "seconds"
     return None
