@@ -182,6 +182,18 @@ def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
     return pointers
 
 
+def publish_pair(bin_tmp: str | os.PathLike, idx_tmp: str | os.PathLike, prefix: str | os.PathLike) -> None:
+    """Rename a finished pair to `prefix.bin/.idx`, replacing an older pair, so that no reader ever pairs the new
+    .bin with the old .idx or the reverse: the old .idx goes first, the .idx comes last. A crash in between leaves
+    a .bin without an .idx, which every reader refuses as missing; a rerun writes the pair again.
+
+    Example: publish_pair("out/c.bin.tmp", "out/c.idx.tmp", "out/c")
+    """
+    idx_path(prefix).unlink(missing_ok=True)
+    os.replace(bin_tmp, bin_path(prefix))
+    os.replace(idx_tmp, idx_path(prefix))
+
+
 class IndexedDatasetWriter:
     """Writes `{prefix}.bin/.idx`; nothing exists under those names until `finalize()` succeeds.
 
@@ -280,10 +292,7 @@ class IndexedDatasetWriter:
             starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
             doc_idx = np.append(starts, np.int64(self.num_sequences))
             write_index(self._idx_tmp, self.dtype, lengths, doc_idx, durable=durable)
-            # .bin first: a crash between the renames leaves a new .bin beside an old .idx, which the
-            # reader refuses (size mismatch), never a new .idx pointing into an old .bin.
-            os.replace(self._bin_tmp, self._bin_final)
-            os.replace(self._idx_tmp, self._idx_final)
+            publish_pair(self._bin_tmp, self._idx_tmp, self.prefix)
         except BaseException:
             self.discard()  # e.g. disk full while writing the .idx: leave no .tmp files behind
             raise
@@ -872,9 +881,7 @@ class DatasetConcatenator:
             starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
             doc_idx = np.append(starts, np.int64(self.num_sequences))
             write_index(self._idx_tmp, self.dtype, lengths, doc_idx, durable=durable)
-            # .bin first, as IndexedDatasetWriter.finalize does: never a new .idx beside an old .bin
-            os.replace(self.bin_tmp, bin_path(self.prefix))
-            os.replace(self._idx_tmp, idx_path(self.prefix))
+            publish_pair(self.bin_tmp, self._idx_tmp, self.prefix)
         except BaseException:
             self.discard()
             raise

@@ -683,3 +683,45 @@ def test_random_access_matches_reference(tmp_path):
         ds[len(ds)]
     with pytest.raises(IndexError, match="document 100000 out of range"):
         ds.document(n_docs)
+
+
+# -- replacing a pair: a crash between the renames never pairs a new .bin with an old .idx --------------------------
+
+
+def _write_pair(prefix, docs, dtype=np.int32):
+    with IndexedDatasetWriter(prefix, dtype) as w:
+        for d in docs:
+            w.add_document(np.array(d, dtype), [len(d)])
+
+
+def _finalize_with_merge(prefix, docs):
+    _write_pair(f"{prefix}-src", docs)
+    merge([f"{prefix}-src"], prefix)
+
+
+@pytest.mark.parametrize("finalize", [_write_pair, _finalize_with_merge], ids=["writer", "merge"])
+@pytest.mark.parametrize("crash_at", [0, 1], ids=["at the .bin", "at the .idx"])
+def test_a_crash_while_replacing_a_pair_leaves_old_or_none(tmp_path, monkeypatch, finalize, crash_at):
+    """Old pair of 3 documents, new pair of 2 documents of other lengths: at each rename a reader sees the old pair
+    or no dataset (the .idx missing), never the new .bin under the old .idx."""
+    prefix = tmp_path / "ds"
+    _write_pair(prefix, [[1, 2, 3], [4, 5], [6]])
+    real_replace, calls = os.replace, []
+
+    def crashing_replace(src, dst):
+        if Path(dst).parent == tmp_path and Path(dst).name.startswith("ds."):  # the final names only
+            calls.append(dst)
+            if len(calls) > crash_at:
+                raise OSError(errno.EIO, "injected crash", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(indexed.os, "replace", crashing_replace)
+    with pytest.raises(OSError, match="injected crash"):
+        finalize(prefix, [[7, 8, 9, 10], [11]])
+    monkeypatch.setattr(indexed.os, "replace", real_replace)
+    if (tmp_path / "ds.idx").exists():
+        ds = IndexedDataset(prefix)
+        assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4, 5], [6]]
+    else:
+        with pytest.raises(FileNotFoundError, match="no such file"):
+            IndexedDataset(prefix)
