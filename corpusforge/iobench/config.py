@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from corpusforge import sizes
 from corpusforge.errors import CorpusforgeError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -165,13 +166,11 @@ def is_url(path: str) -> bool:
 
 
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864, '4k' -> 4096; plain numbers are bytes."""
-    units = {"k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    """'64M' -> 67108864, '4k' -> 4096; plain numbers are bytes (corpusforge.sizes, as a BenchConfigError)."""
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise BenchConfigError(f"{text!r} is not a size (examples: 4k, 1M, 16M, 2G)") from None
+        return sizes.parse_size(text)
+    except ValueError as e:
+        raise BenchConfigError(str(e)) from None
 
 
 def human_bytes(n: float) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge import indexed
+from corpusforge import indexed, sizes
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, pickle_refused, refuses_pickle
 
 
@@ -87,16 +87,10 @@ def data_fingerprint(prefix: str | os.PathLike) -> dict:
 
 def parse_bytes(text: str | int) -> int:
     """'16G', '512M', '3.5GB', '1e9' → bytes (powers of 1024 for K/M/G/T)."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
-        if s and s[-1] in units:
-            return int(float(s[:-1]) * units[s[-1]])
-        return int(float(s))
-    except ValueError:
-        raise RetroError(f"{text!r} is not a size; write it like 16G, 512M or 2T") from None
+        return sizes.parse_size(text, minimum=1)  # inf, nan, negatives and '1e400k' refused here too
+    except ValueError as e:
+        raise RetroError(str(e)) from None
 
 
 def human_bytes(n: float) -> str:
