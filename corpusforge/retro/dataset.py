@@ -143,6 +143,8 @@ class RetroDataset:
             "neighbours_file": str(path.resolve()),
             "neighbours_shape": list(self.neighbours.shape),
             **{k: v for k, v in self._args.items() if k not in ("db", "neighbours_path")},
+            "num_neighbours": self.num_neighbours,  # as resolved: a resume must see the same K and m
+            "chunk_length": self.chunk_length,
         }
 
     def __len__(self) -> int:
