@@ -37,7 +37,6 @@ def cut_stage(model: GPT | Llama, layers: tuple[int, ...], first: bool, last: bo
     for name in list(blocks):
         if int(name) not in layers:
             del blocks[name]
-    pair = tied_pair(stage)
     if isinstance(stage, Llama):
         if not first:
             stage.tok_embeddings = None
@@ -48,9 +47,15 @@ def cut_stage(model: GPT | Llama, layers: tuple[int, ...], first: bool, last: bo
             stage.transformer.wte, stage.transformer.wpe, stage.transformer.drop = None, None, None
         if not last:
             stage.transformer.ln_f, stage.lm_head = None, None
-    if pair and last and not first:
-        stage.get_submodule(pair[1]).weight._pp_tied_copy = True  # the embedding's copy: its norm counts once
     return stage
+
+
+def mark_tied_copy(part: torch.nn.Module) -> None:
+    """Flag a last stage's copy of the tied embedding so that the gradient norm counts it once. Called after the
+    stage is parallelized: TP and FSDP replace the parameters, and a flag set before would be lost."""
+    names = _tied_names(part)
+    if names:
+        part.get_submodule(names[1].removesuffix(".weight")).weight._pp_tied_copy = True
 
 
 def split_model(model: GPT | Llama, layout: Layout, pp_rank: int, schedule: str) -> list[tuple[int, GPT | Llama]]:
@@ -88,8 +93,14 @@ def sync_tied_grads(parts: list[torch.nn.Module], group: Any) -> None:
         for name in pair or ():
             module = part.get_submodule(name) if _has(part, name) else None
             if module is not None and module.weight.grad is not None:
-                grad = module.weight.grad
-                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+                weight, grad = module.weight, module.weight.grad
+                if hasattr(grad, "to_local"):
+                    if grad.placements != weight.placements:  # DTensor does not promise the weight's layout
+                        grad = grad.redistribute(weight.device_mesh, weight.placements)
+                        weight.grad = grad
+                    dist.all_reduce(grad.to_local(), group=group)  # the local shard, in place
+                else:
+                    dist.all_reduce(grad, group=group)
                 break  # a stage holds one of the two (never both: the schedules here put them on two ranks)
 
 

@@ -283,6 +283,7 @@ def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par
     parts = pipe.split_model(model, layout, layout.coords(rt.rank)["pp"], cfg.parallel.pp_schedule)
     for _, part in parts:
         par.parallelize(part, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
+        pipe.mark_tied_copy(part)
     plan.tied_group = pipe.tied_group(layout, rt.rank, model)
     scale = plan.grad_accum * layout.microbatches
 

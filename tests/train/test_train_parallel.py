@@ -77,6 +77,13 @@ def test_layout_trains_like_one_process(corpus, single, tmp_path, family, layout
     assert_same_run(trainkit.run_records(tmp_path), single(family))
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_changes_memory_not_results(corpus, single, tmp_path, mode):
+    train(load_config(None, overrides(corpus, tmp_path, "llama", f'parallel.activation_checkpoint="{mode}"')),
+          log=lambda line: None)  # fmt: skip
+    assert_same_run(trainkit.run_records(tmp_path), single("llama"))
+
+
 # Pipeline schedules: 4 layers so that the looped and V schedules (2 stages per rank) have a layer per stage; the
 # two families share the schedules out so that each schedule runs once in CI and each family meets several.
 SCHEDULES = [("gpt2", "1F1B"), ("gpt2", "Interleaved1F1B"), ("llama", "GPipe"), ("llama", "LoopedBFS"),
