@@ -91,10 +91,12 @@ class RetroDataset:
         retrieved_chunks: int = 2,
         seed: int | None = None,
         neighbours: str = "real",
+        sample_range: tuple[int, int] | None = None,
     ) -> None:
         self._args = dict(db=str(db), seq_length=seq_length, pad_id=pad_id, neighbours_path=neighbours_path,
                           num_neighbours=num_neighbours, chunk_length=chunk_length,
-                          retrieved_chunks=retrieved_chunks, seed=seed, neighbours=neighbours)  # fmt: skip
+                          retrieved_chunks=retrieved_chunks, seed=seed, neighbours=neighbours,
+                          sample_range=None if sample_range is None else tuple(sample_range))  # fmt: skip
         db = Path(db)
         manifest_path = db / "manifest.json"
         if not manifest_path.is_file():
@@ -134,9 +136,17 @@ class RetroDataset:
                 f"{path}: holds {stored} neighbours per chunk, {num_neighbours} were asked for; rebuild the "
                 f"neighbours with build-knn -k {num_neighbours} or ask for at most {stored}"
             )
-        # The sample order: file order, or a permutation by `seed` (the loader takes samples 0, 1, 2, ...).
+        # The samples: all, or [lo, hi) of them in file order (a train/validation split by position in the corpus,
+        # so the two share no chunk); in file order, or permuted by `seed` (the loader takes 0, 1, 2, ...).
         n = len(self.query_chunks) // self.chunks_per_sample
-        self.order = np.arange(n, dtype=np.int64) if seed is None else np.random.default_rng(seed).permutation(n)
+        lo, hi = (0, n) if sample_range is None else sample_range
+        if not 0 <= lo < hi <= n:
+            raise RetroError(
+                f"{db}: sample_range ({lo}, {hi}) is not inside the {n} samples of seq_length {seq_length}"
+            )
+        self.order = np.arange(lo, hi, dtype=np.int64)
+        if seed is not None:
+            self.order = np.random.default_rng(seed).permutation(self.order)
         self.fingerprint = {
             "db": str(db.resolve()),
             "identity": manifest.get("identity"),

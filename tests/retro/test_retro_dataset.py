@@ -111,6 +111,21 @@ def test_batches_do_not_depend_on_grouping_and_torch_matches_numpy(db):
     assert len(storages) == 1  # one shared-memory segment per batch from a worker, not six
 
 
+def test_sample_ranges_split_the_samples_without_sharing_a_chunk(db):
+    whole = RetroDataset(db, seq_length=SEQ)
+    cut = len(whole) * 2 // 3
+    train = RetroDataset(db, seq_length=SEQ, seed=4, sample_range=(0, cut))
+    valid = RetroDataset(db, seq_length=SEQ, seed=4, sample_range=(cut, len(whole)))
+    a = train.get_batch(np.arange(len(train)))["chunk_ids"]
+    b = valid.get_batch(np.arange(len(valid)))["chunk_ids"]
+    assert sorted(np.concatenate([a, b]).ravel().tolist()) == sorted(
+        whole.get_batch(np.arange(len(whole)))["chunk_ids"].ravel().tolist()
+    )
+    assert not set(a.ravel().tolist()) & set(b.ravel().tolist())
+    with pytest.raises(RetroError, match="sample_range"):
+        RetroDataset(db, seq_length=SEQ, sample_range=(cut, len(whole) + 1))
+
+
 def test_old_fields_pad_with_pad_id(db, docs):
     ds = RetroDataset(db, seq_length=SEQ, pad_id=-7)
     old = ds.get_batch([1, 2])
