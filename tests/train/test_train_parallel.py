@@ -111,7 +111,7 @@ def test_pp2_fsdp2_tp2_on_8_processes(corpus, single, tmp_path):
 def test_checkpoint_moves_between_layouts(corpus, single, tmp_path):
     """Saved at tp=2 x pp=2 after step 2, resumed at dp=4 and at one process: steps 3 and 4 are those of an
     uninterrupted run (GPT-2: the tied embedding crosses the pipeline and the tensor split both ways)."""
-    extra = ["n_layer=4"]
+    extra = ["n_layer=4", "micro_batch_size=4"]  # 4 data-parallel ranks x 4 x 32 tokens = the 512-token batch
     first = tmp_path / "tp2pp2"
     layout = ["parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1"]
     trainkit.torchrun(overrides(corpus, first, "gpt2", *extra, *layout, "stop_at_step=2", 'resume="auto"'), nproc=4)
