@@ -90,7 +90,12 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
     "index needs more than half of this machine's RAM].",
 )
 @executor_options("Shard tasks (chunking, embedding, index add, neighbours)")
-@click.option("--resume", is_flag=True, help="Finish an interrupted build in --output (same data and options).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish an interrupted build in --output: same data; an option may change until the stage it shapes has "
+    "begun (--max-index-memory before the index is trained, -k before the neighbours stage).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")

@@ -4,6 +4,9 @@
 fingerprint, embedder, chunking, seed), the index plan and the tuned search parameters, and each finished
 stage's statistics. A stage is finished when its entry is in the manifest; its files are written atomically
 before that, so a killed run resumes at the first unfinished stage (and inside it, at the first missing shard).
+A resume may change what shapes only stages not yet begun (--max-index-memory before the index is trained, -k
+before the neighbours stage: SHAPED_FIRST); the index is planned before any work, so a budget no index fits
+fails at once, not after the embeddings.
 """
 
 from __future__ import annotations
@@ -173,7 +176,9 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
         embedder.fingerprint,
         data_fingerprint(config.query_prefix) if query_ds else None,
     )
-    manifest = _open_manifest(out, ident, resume, config, tok_spec)
+    # the index is planned now, not after hours of embedding: a budget it cannot meet fails before any work
+    check_plan = partial(_plan, config, chunks_mod.count_chunks(ds, config.chunk_length), embedder.dim, budget)
+    manifest = _open_manifest(out, ident, resume, config, tok_spec, check_plan)
 
     def finish(stage: str, stats: dict) -> None:
         manifest["stages"][stage] = stats
@@ -251,7 +256,43 @@ def _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor,
         finish("embeddings", {**stats, **fit_stats})
 
 
-def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, tok_spec) -> dict:
+# The first stage each part of the identity shapes: it may change on resume until that stage has begun.
+SHAPED_FIRST = {
+    "data": "chunks",
+    "query_data": "chunks",
+    "chunk_length": "chunks",
+    "shard_size": "chunks",  # chunk tasks, embedding shards and neighbour blocks are cut by it
+    "embedder": "embeddings",
+    "seed": "embeddings",  # and the index's training sample, the recall queries
+    "train_per_list": "index",
+    "kmeans": "index",
+    "index_key": "index",
+    "max_index_memory": "index",
+    "candidates": "recall",  # where the tuning starts; the neighbours stage uses the tuned value
+    "recall_queries": "recall",
+    "recall_target": "recall",
+    "k": "neighbours",
+}
+
+
+def _stage_state(out: Path, manifest: dict, stage: str) -> str | None:
+    """'finished', 'begun' (it left files a resume reuses), or None: not begun, so its options may still change."""
+    if stage in manifest["stages"]:
+        return "finished"
+    begun = {
+        "chunks": [out / "chunks", out / "query_chunks"],
+        "embeddings": [out / "embeddings"],
+        "index": [out / "index" / "trained.faiss"],  # a resumed index stage fills the index it trained
+        "neighbours": [out / "neighbours.bin.parts"],
+    }
+    return "begun" if any(p.exists() for p in begun.get(stage, [])) else None
+
+
+def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, tok_spec, check_plan) -> dict:
+    """The manifest of the build in `out`: a new one, or (`resume`) the existing one, where options that shape only
+    stages not yet begun may have changed (they are recorded anew); any other change is refused, in one line that
+    names the option and the stage that holds it. `check_plan()` raises where the index cannot be planned (a
+    --max-index-memory too small): called before anything is written, unless the index is already trained."""
     path = out / MANIFEST
     if path.exists():
         manifest = json.loads(path.read_text())
@@ -260,17 +301,37 @@ def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, to
                 f"{out}: a database is already there; pass --resume to finish it, or choose a new --output"
             )
         old = {**LEGACY_IDENTITY, **manifest.get("identity", {})}
-        for key in sorted(set(old) | set(ident)):
-            if old.get(key) != ident.get(key):
+        changed = [key for key in sorted(set(old) | set(ident)) if old.get(key) != ident.get(key)]
+        for key in changed:
+            stage = SHAPED_FIRST.get(key, "chunks")
+            state = _stage_state(out, manifest, stage)
+            if state is not None:
                 raise RetroError(
-                    f"{out}: cannot resume: {key} was {old.get(key)!r}, now {ident.get(key)!r}; "
-                    "use the same data and options, or a new --output"
+                    f"{out}: cannot resume: {key} was {old.get(key)!r}, now {ident.get(key)!r}, and the {stage} stage "
+                    f"it shapes is {state} with the old value; resume with {_option(key, old.get(key))}, or build "
+                    "into a new --output"
                 )
+        if _stage_state(out, manifest, "index") is None:
+            check_plan()
+        if changed:  # every change is to a stage not begun: resume under the new options
+            manifest["identity"], manifest["config"] = ident, asdict(config)
+            write_json_atomic(path, manifest)
         return manifest
+    check_plan()
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"version": 1, "identity": ident, "config": asdict(config), "tokenizer": tok_spec, "stages": {}}
     write_json_atomic(path, manifest)
     return manifest
+
+
+def _option(key: str, value) -> str:
+    """How a user gives `key` = `value` again on the command line."""
+    if key in ("data", "query_data"):
+        return "the same dataset (unchanged since)" if key == "data" else "the same --query-prefix dataset"
+    if key == "embedder":
+        return f"the same --embedder, --dim and --seed (embedder {value})"
+    flag = {"k": "--neighbours-k"}.get(key, "--" + key.replace("_", "-"))
+    return f"no {flag}" if value is None else f"{flag} {value}"
 
 
 def _eval_ids(n: int, plan: index_mod.IndexPlan, config: BuildConfig) -> tuple[np.ndarray, int]:

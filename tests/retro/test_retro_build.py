@@ -14,6 +14,7 @@ from retrokit import near_duplicate_documents, run_cli, topical_documents, write
 from corpusforge.retro import BuildConfig, RetroDataset, build_knn
 from corpusforge.retro import neighbours as nb_mod
 from corpusforge.retro.chunks import ChunkTable
+from corpusforge.retro.common import RetroError
 from corpusforge.retro.embed import EmbeddingStore
 from corpusforge.retro.index import load_index
 from corpusforge.retro.neighbours import exact_search, read_neighbours
@@ -363,3 +364,127 @@ def test_truncated_neighbours_file_is_refused(dataset, tmp_path):
     path.write_bytes(b"XXXXXXXX" + data[8:])
     with pytest.raises(RetroError, match="not a corpusforge neighbours file"):
         read_neighbours(path)
+
+
+# -- resuming with other options: allowed until the stage an option shapes has begun -------------------------------
+
+# one new value per option, and the first stage it shapes (this test's own table, not the module's)
+NEW = {"chunk_length": 32, "dim": 64, "index_key": "IVF8,Flat", "recall_target": 0.9, "k": 3}
+SHAPES = {
+    "chunk_length": "chunks",
+    "dim": "embeddings",
+    "index_key": "index",
+    "recall_target": "recall",
+    "k": "neighbours",
+}
+# where the build stopped -> the stages begun by then (index-trained: killed inside the index stage, once trained)
+STOPS = {
+    "chunks": {"chunks"},
+    "embeddings": {"chunks", "embeddings"},
+    "index-trained": {"chunks", "embeddings", "index"},
+    "index": {"chunks", "embeddings", "index"},
+    "recall": {"chunks", "embeddings", "index", "recall"},
+}
+
+
+def _base(dataset, out, **kw) -> BuildConfig:
+    return _config(dataset, out, workers=1, **kw)  # the planner's Flat index (a PQ one would train for minutes)
+
+
+@pytest.fixture(scope="module")
+def stopped(dataset, tmp_path_factory) -> dict[str, Path]:
+    """Copies of one build as it stood at each stop: after each stage's manifest entry, and inside the index stage
+    once its trained index was written (where a kill there leaves it)."""
+    from corpusforge.retro import build as build_mod
+    from corpusforge.retro import index as index_mod
+
+    root = tmp_path_factory.mktemp("stopped")
+    out, snaps = root / "db", {}
+    real_write = build_mod.write_json_atomic
+
+    def write(path, data):
+        real_write(path, data)
+        for stage in set(data.get("stages", {})) & set(STOPS) - set(snaps):
+            snaps[stage] = shutil.copytree(out, root / stage)
+
+    def kill_point(stage, step):
+        if (stage, step) == ("index", 0):
+            snaps["index-trained"] = shutil.copytree(out, root / "index-trained")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(build_mod, "write_json_atomic", write)
+        mp.setattr(index_mod, "kill_point", kill_point)
+        build_knn(_base(dataset, out))
+    assert set(snaps) == set(STOPS)
+    return snaps
+
+
+@pytest.fixture(scope="module")
+def fresh(dataset, tmp_path_factory):
+    """fresh(option): a whole build with that option's new value (built once per module)."""
+    root, built = tmp_path_factory.mktemp("fresh"), {}
+
+    def get(option: str) -> Path:
+        if option not in built:
+            build_knn(_base(dataset, root / option, **{option: NEW[option]}))
+            built[option] = root / option
+        return built[option]
+
+    return get
+
+
+def _identity(db: Path) -> dict:
+    manifest = json.loads((db / "manifest.json").read_text())
+    return {key: manifest[key] for key in ("identity", "plan", "search_params", "candidates")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", sorted(STOPS))
+@pytest.mark.parametrize("option", sorted(NEW))
+def test_resume_may_change_only_options_of_stages_not_begun(dataset, stopped, fresh, tmp_path, option, stop):
+    """A resume with another value of an option: the same bytes as a fresh build with it where the stage it shapes
+    had not begun; else one line naming the option and the stage that holds it, and nothing changed."""
+    out = shutil.copytree(stopped[stop], tmp_path / "db")
+    config = _base(dataset, out, **{option: NEW[option]})
+    stage = SHAPES[option]
+    if stage in STOPS[stop]:
+        before = (out / "manifest.json").read_bytes()
+        with pytest.raises(RetroError) as e:
+            build_knn(config, resume=True)
+        key = "embedder" if option == "dim" else option
+        state = "finished" if stop != "index-trained" or stage != "index" else "begun"
+        assert f"cannot resume: {key} was " in str(e.value) and f"the {stage} stage it shapes is {state}" in str(
+            e.value
+        )
+        assert "\n" not in str(e.value)
+        assert (out / "manifest.json").read_bytes() == before
+        return
+    build_knn(config, resume=True)
+    assert _files(out) == _files(fresh(option))
+    assert _identity(out) == _identity(fresh(option))
+
+
+def test_index_budget_is_checked_before_any_work_and_may_change_until_the_index_is_trained(dataset, tmp_path, stopped):
+    """--max-index-memory too small for any index: one line before anything is written, for a new build and for a
+    resume of one stopped after its embeddings (it used to fail after them, and refuse the resume with a larger
+    budget). A budget changed before the index stage resumes under the new one; after it, one line says why not."""
+    from corpusforge.cli.retro import build_knn_cmd
+
+    r = CliRunner().invoke(build_knn_cmd, [dataset, "--output", str(tmp_path / "new"), "--max-index-memory", "1K"])
+    assert r.exit_code == 1 and "too small for any index" in r.output and r.output.strip().count("\n") == 0
+    assert not (tmp_path / "new").exists()
+    args = [dataset, "--shard-size", "256", "--recall-queries", "200", "--workers", "1", "--resume"]
+    out = shutil.copytree(stopped["embeddings"], tmp_path / "db")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    r = CliRunner().invoke(build_knn_cmd, [*args, "--output", str(out), "--max-index-memory", "1K"])
+    assert r.exit_code == 1 and "too small for any index" in r.output, r.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    r = CliRunner().invoke(build_knn_cmd, [*args, "--output", str(out), "--max-index-memory", "300K"])  # Flat fits
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["identity"]["max_index_memory"] == "300K"
+    assert _files(out) == _files(stopped["recall"].parent / "db")  # the whole build the stops were copied from
+    done = shutil.copytree(stopped["index"], tmp_path / "indexed")
+    r = CliRunner().invoke(build_knn_cmd, [*args, "--output", str(done), "--max-index-memory", "300K"])
+    assert r.exit_code == 1 and r.output.strip().count("\n") == 0, r.output
+    assert "max_index_memory was '16G', now '300K', and the index stage it shapes is finished" in r.output
+    assert "resume with --max-index-memory 16G" in r.output
