@@ -95,3 +95,19 @@ def test_workers_die_with_their_sigkilled_parent(tmp_path, kind):
         for p in descendants:  # the test cleans up after a failure; it is not what passes it
             if not _gone(p):
                 p.kill()
+
+
+def test_a_child_whose_parent_died_before_it_could_ask_ends_at_once():
+    """The race the prctl alone leaves: the parent dies between the fork and the child's prctl, the child is already
+    reparented and no signal will come. die_with_parent sees the parent's pid is no longer its parent's, and ends."""
+    import multiprocessing as mp
+
+    from corpusforge.executors import die_with_parent
+
+    ctx = mp.get_context("fork")
+    gone = ctx.Process(target=die_with_parent, args=(os.getpid() + 1,))  # "the parent" is not ours any more
+    alive = ctx.Process(target=die_with_parent, args=(os.getpid(),))
+    for p in (gone, alive):
+        p.start()
+        p.join(10)
+    assert gone.exitcode == -signal.SIGKILL and alive.exitcode == 0
