@@ -137,15 +137,20 @@ class BuildResult:
 
 
 def resolve_tokenizer(prefix: str, spec: str | None) -> str | None:
+    """The tokenizer that turns the dataset's tokens into text (model embedders, query-knn): `spec` when given,
+    else the one `corpusforge preprocess` recorded in P.preprocess.json; None means the default, cl100k_base.
+
+    Example: resolve_tokenizer("out/c_text_document", None) -> '/data/tok/tokenizer.json'
+    """
     if spec is not None:
         return spec
-    summary = Path(f"{prefix}.preprocess.json")
-    if summary.is_file():
-        try:
-            return json.loads(summary.read_text()).get("config", {}).get("tokenizer")
-        except (ValueError, AttributeError):
-            return None
-    return None
+    from corpusforge.describe import recorded_tokenizer
+    from corpusforge.tokenizers import DEFAULT_TOKENIZER
+
+    recorded = recorded_tokenizer(prefix)
+    if recorded is None or recorded.spec in (None, DEFAULT_TOKENIZER):
+        return None
+    return recorded.spec
 
 
 def _load_tokenizer(spec: str | None):
