@@ -455,6 +455,36 @@ def ensure_corpus(spec: CorpusSpec, path: Path | None = None, log=print) -> tupl
     return path, stats
 
 
+def repeated_corpus(spec: CorpusSpec, copies: int, log=print) -> tuple[Path, dict]:
+    """`copies` back-to-back copies of the corpus for `spec`, for inputs past what is worth generating (10 GB takes
+    an hour to generate here, a minute to copy): the same documents again, which is what a memory check needs.
+
+    Example: repeated_corpus(CorpusSpec(1000), 10) -> benchmarks/work/corpus-1000mb-s1234-x10.jsonl (10 GB)
+    """
+    base, stats = ensure_corpus(spec, log=log)
+    path = base.with_name(f"{base.stem}-x{copies}.jsonl")
+    want = {**stats, "copies": copies, "documents": stats["documents"] * copies}
+    want.update(text_bytes=stats["text_bytes"] * copies, file_bytes=stats["file_bytes"] * copies)
+    meta = _meta_path(path)
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == want:
+        log(f"reusing {path} ({want['file_bytes'] / MB:.0f} MB)")
+        return path, want
+    log(f"writing {path}: {copies} copies of {base} ...")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(base, "rb") as src, open(tmp, "wb") as dst:
+        for _ in range(copies):
+            offset, size = 0, stats["file_bytes"]
+            while offset < size:  # in-kernel copy, no pass through Python's buffers
+                copied = os.copy_file_range(src.fileno(), dst.fileno(), size - offset, offset)
+                if copied == 0:
+                    raise OSError(f"{base} shrank while being copied")
+                offset += copied
+        os.fsync(dst.fileno())
+    _write_json_atomic(meta, want)
+    os.replace(tmp, path)
+    return path, want
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mb", type=float, required=True, help="size of the JSONL file in MB (10^6 bytes)")

@@ -7,11 +7,8 @@ with the same arguments, checks that every .bin/.idx is byte-identical, and time
 against native `corpusforge preprocess` on the same input and tokenizer (alternating runs, medians). Writes
 benchmarks/results/megatron_compat-DATE.json with the Megatron-LM commit, the machine and the versions.
 
-Shims, for Megatron only (in a sitecustomize.py on its PYTHONPATH, never in its tree): `typing.override` on
-Python 3.11; a stand-in `triton` package (its MoE modules import triton at import time; torch is made to see none
-first); `nltk.load` of the Punkt pickle returns NLTK's splitter with the same Punkt tables corpusforge uses (NLTK
->= 3.9 refuses Punkt pickles, and there is no network for `nltk.download`); the Hugging Face Hub's "gpt2"
-repository, which GPT2BPETokenizer loads, is laid out in a local cache with this run's vocab.json/merges.txt.
+Megatron runs with the shims of benchmarks/megatron_shims.py (on its PYTHONPATH, never in its tree), with this
+run's vocab.json/merges.txt as the Hub's "gpt2" repository.
 Megatron with --split-sentences and --partitions 1 only writes the split file on its first run and encodes on a
 second one (the `continue` in its main loop): it is run twice, and both runs are timed.
 """
@@ -32,66 +29,9 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-_SITECUSTOMIZE = """
-import importlib.abc, importlib.machinery, sys, types, typing, os
-if not hasattr(typing, "override"):
-    typing.override = lambda f: f
-
-class _Thing:
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self
-    def __call__(self, *a, **k):
-        return a[0] if len(a) == 1 and callable(a[0]) and not k else self
-    def __getitem__(self, k):
-        return self
-_ANY = _Thing()
-
-class _Module(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            value = type(name, (), {"__init__": lambda self, *a, **k: None})
-            setattr(self, name, value)
-            return value
-        return _ANY
-
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "triton" or name.startswith("triton."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-    def create_module(self, spec):
-        m = _Module(spec.name)
-        m.__path__ = []
-        m.__version__ = "3.3.0"
-        return m
-    def exec_module(self, module):
-        pass
-
-try:
-    import torch.utils._triton
-    torch.utils._triton.has_triton_package()
-    torch.utils._triton.has_triton()
-except Exception:
-    pass
-sys.meta_path.insert(0, _Finder())
-
-try:
-    import nltk
-    def _load(url, *a, **k):
-        from nltk.tokenize.punkt import PunktSentenceTokenizer
-        from corpusforge.megatron.sentences import _params
-        lang = os.path.basename(url).removesuffix(".pickle")
-        return PunktSentenceTokenizer(train_text=_params(lang)[0])
-    nltk.load = _load
-    nltk.download = lambda *a, **k: True
-except ImportError:
-    pass
-"""
+from megatron_shims import checkout_commit, megatron_env  # noqa: E402
 
 
 def _corpus(path: Path, mb: float) -> None:
@@ -136,20 +76,6 @@ def _tokenizer_files(d: Path, corpus: Path) -> dict[str, Path]:
     return {"sp": d / "sp.model", "vocab": d / "vocab.json", "merges": d / "merges.txt", "tik": d / "tik.json"}
 
 
-def _hub_cache(d: Path, files: dict[str, Path]) -> Path:
-    """The Hub's "gpt2" repository, as a local cache holding this run's GPT-2 format files."""
-    sha = "0" * 40
-    snap = d / "hub" / "models--gpt2" / "snapshots" / sha
-    snap.mkdir(parents=True, exist_ok=True)
-    (d / "hub" / "models--gpt2" / "refs").mkdir(exist_ok=True)
-    (d / "hub" / "models--gpt2" / "refs" / "main").write_text(sha)
-    (snap / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    (snap / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
-    shutil.copyfile(files["vocab"], snap / "vocab.json")
-    shutil.copyfile(files["merges"], snap / "merges.txt")
-    return d / "hub"
-
-
 def _lines(files: dict[str, Path], workers: int) -> dict[str, list[str]]:
     w = ["--workers", str(workers)]
     return {
@@ -189,18 +115,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/megatron_compat"))
     a = ap.parse_args()
     script = a.checkout / "tools" / "preprocess_data.py"
-    commit = subprocess.run(["git", "-C", str(a.checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit_id = commit.stdout.strip() or (a.checkout / "COMMIT").read_text().strip()
+    commit_id = checkout_commit(a.checkout)
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)
     corpus = a.work / "corpus.jsonl"
     _corpus(corpus, a.mb)
     files = _tokenizer_files(a.work, corpus)
-    shims = a.work / "shims"
-    shims.mkdir()
-    (shims / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    hub = _hub_cache(a.work, files)
-    env = dict(os.environ, PYTHONPATH=f"{a.checkout}:{shims}:{ROOT}", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
+    env = megatron_env(a.checkout, a.work, files["vocab"], files["merges"])
     cf_env = dict(os.environ, PYTHONPATH=str(ROOT))
 
     results = []
