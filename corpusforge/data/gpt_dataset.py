@@ -45,7 +45,15 @@ from typing import Any
 import numpy as np
 
 from corpusforge._jit import njit
-from corpusforge.data.batch import RawBatch, assemble
+from corpusforge.data.batch import (
+    RawBatch,
+    assemble,
+    batch_fields,
+    fill_fields,
+    kernel_options,
+    torch_block,
+    torch_fields,
+)
 from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpickled
 from corpusforge.data.mt19937 import shuffle
 from corpusforge.errors import ArgumentError
@@ -474,6 +482,42 @@ def _gather_text(
     return np.int64(short) + 0 * np.int64(touched)  # touched is used, so the first pass is not optimised away
 
 
+@njit(nogil=True)
+def _gather_fields(
+    ids,
+    shuffle_index,
+    sample_index,
+    document_index,
+    sequence_lengths,
+    sequence_pointers,
+    itemsize,
+    source,
+    options,
+    block,
+):
+    """Samples `ids` straight from the token array `source` into the (4, B, S) int32 block of their fields:
+    _gather_text then batch.fill_fields, in one call (the per-sample path pays one dispatch, not three). Returns
+    _gather_text's status: 0, or 1 if a sample is short (the block is then incomplete), or -1 if an id is out of
+    range."""
+    extra = options[0]
+    text = np.empty((len(ids), block.shape[2] + extra), source.dtype)
+    status = _gather_text(
+        ids,
+        shuffle_index,
+        sample_index,
+        document_index,
+        sequence_lengths,
+        sequence_pointers,
+        itemsize,
+        source,
+        extra,
+        text,
+    )
+    if status == 0:
+        fill_fields(text, options, block)
+    return status
+
+
 def token_memory(indexed: Any) -> np.ndarray | None:
     """The token array of a dataset whose reads are slice copies from its memory map anyway (a plain
     IndexedDataset; a LocalDataset in an mmap mode), for copying samples straight out of it; None for the others
@@ -514,6 +558,12 @@ def prefetch_upcoming(dataset: Any, ids: Any) -> None:
     upcoming = getattr(ids, "upcoming", None)
     if upcoming is not None and dataset.remote:
         dataset.prefetch([*ids, *upcoming])
+
+
+def _from_numpy(array: np.ndarray) -> Any:
+    from corpusforge.data.batch import _torch
+
+    return _torch().from_numpy(array)
 
 
 class GPTDataset:
@@ -588,6 +638,36 @@ class GPTDataset:
         """Compile (or load from numba's cache) the sample gather for these array types now, so that forked
         DataLoader workers inherit it instead of each paying for it on their first batch."""
         assemble(self.read_raw(np.zeros(0, np.int64)), self.config)
+        if self._direct_args() is not None:
+            self._read_fields(np.zeros(0, np.int64), np.empty((4, 0, self.config.seq_length), np.int32))
+
+    def _direct_args(self) -> tuple | None:
+        """The arguments of _gather_fields for this dataset, kept after the first call; None where samples are not
+        copied from a memory map (pread, O_DIRECT, remote reads) or carry an attention mask (another shape)."""
+        args = self.__dict__.get("_direct")
+        if args is None and "_direct" not in self.__dict__:
+            memory = token_memory(self.indexed)
+            if memory is not None and not self.config.create_attention_mask:
+                indexed = self.indexed
+                args = (
+                    self.shuffle_index,
+                    self.sample_index,
+                    self.document_index,
+                    indexed.sequence_lengths,
+                    indexed.sequence_pointers,
+                    indexed.dtype.itemsize,
+                    memory,
+                    kernel_options(self.config),
+                )
+            self._direct = args
+        return args
+
+    def _read_fields(self, ids: np.ndarray, block: np.ndarray) -> bool:
+        """Fill the (4, B, S) int32 `block` with the fields of samples `ids` in one compiled pass from the memory
+        map; False where that path does not apply (see _direct_args) or a sample is short or out of range (the
+        caller then takes the general path, which pads or raises)."""
+        args = self._direct_args()
+        return args is not None and _gather_fields(ids, *args, block) == 0
 
     def _split_tokens(self) -> int:
         """The split's token count. A split holding fewer tokens than one sample is repeated as Megatron-Core
@@ -693,6 +773,10 @@ class GPTDataset:
 
     def get_batch(self, ids) -> dict[str, np.ndarray]:
         """Samples `ids` as numpy arrays: tokens, labels, loss_mask, position_ids[, attention_mask]."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        block = np.empty((4, len(ids), self.config.seq_length), np.int32)
+        if self._read_fields(ids, block):
+            return batch_fields(block)
         return assemble(self.read_raw(ids), self.config)
 
     @property
@@ -711,10 +795,24 @@ class GPTDataset:
         self.indexed.prefetch_spans(src, length)
 
     def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        """Samples `ids` as (B, S) torch tensors, views of one int32 storage (what a DataLoader with a batch
+        sampler calls)."""
         prefetch_upcoming(self, ids)
-        return assemble(self.read_raw(ids), self.config, as_torch=True)
+        array = np.asarray(ids, dtype=np.int64).reshape(-1)
+        block = torch_block(len(array), self.config.seq_length)
+        if self._read_fields(array, block.numpy()):
+            return torch_fields(block)
+        return assemble(self.read_raw(array), self.config, as_torch=True)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample i as (S,) torch tensors (Megatron's GPTDataset.__getitem__; int32 tokens here, not int64).
+
+        Where samples are copied from a memory map: one compiled call from the map into a fresh (4, 1, S) block,
+        then four torch views of it; measured per call (benchmarks/bench_loader.py --per-sample), the Python and
+        torch calls around the copy cost more than the copy, so they are kept to the fewest."""
+        block = np.empty((4, 1, self.config.seq_length), np.int32)
+        if self._read_fields(np.array([i], np.int64), block):
+            return torch_fields(_from_numpy(block.reshape(4, -1)))
         return {k: v[0] for k, v in self.__getitems__([i]).items()}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -722,6 +820,7 @@ class GPTDataset:
         # so the token dataset is reopened by its prefix (storage readers pickle as "reopen me") and cached
         # indices are re-mapped by their paths.
         state = self.__dict__.copy()
+        state.pop("_direct", None)  # holds the token memory map: rebuilt where it is unpickled
         if type(self.indexed) is IndexedDataset:
             state["indexed"] = self.indexed.prefix
         for name in ("document_index", "sample_index", "shuffle_index"):

@@ -370,3 +370,48 @@ class _no_short_split_warning:
 
     def __exit__(self, *exc):
         self._catch.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the per-sample and batched torch calls (ds[i], ds.__getitems__), on both read paths: copied in one compiled call
+# from the memory map (mmap modes) or read by spans and assembled (pread)
+
+OPTION_SETS = {
+    "default": {},
+    "eod_mask_reset_positions_pad_in_data": {"eod_mask_loss": True, "reset_position_ids": True, "pad": 7},
+    "no_extra_token_partial_validation": {
+        "add_extra_token_to_sequence": False,
+        "drop_last_partial_validation_sequence": False,
+    },
+    "partial_validation_padded": {"drop_last_partial_validation_sequence": False, "pad": 5},
+    # megatron-core builds each (1, S, S) mask with torch.tril: ~10 ms a sample here, so a few samples only
+    "attention_mask": {"create_attention_mask": True, "eod_mask_loss": True, "compare": 12},
+}
+
+
+@pytest.mark.parametrize("read_mode", ["mmap-random", "pread"])
+@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
+def test_getitem_and_getitems_equal_megatron(tmp_path, corpora, options, read_mode):
+    from corpusforge.data import StorageConfig
+
+    options = dict(OPTION_SETS[options])
+    pad, compare = options.pop("pad", None), options.pop("compare", None)
+    blend, seq, split, sizes = [corpora[2]], 40, "70,30", (100, None, None)
+    theirs = megatron_datasets(blend, seq, split, 3, sizes, tmp_path / "megatron", pad, **options)
+    storage = StorageConfig(read_mode=read_mode)
+    ours = build_gpt_datasets(
+        blend, seq, split, 3, sizes, tmp_path / "ours", storage, pad_token_id=pad, eod_token_id=EOD, **options
+    )
+    for o, t in zip(ours[:2], theirs[:2]):
+        assert len(o) == len(t)
+        batched = {}
+        for lo in range(0, len(o), 8):
+            for key, value in o.__getitems__(list(range(lo, min(len(o), lo + 8)))).items():
+                batched.setdefault(key, []).append(value.numpy())
+        batched = {k: np.concatenate(v) for k, v in batched.items()}
+        for i in range(min(len(o), compare or len(o))):
+            ref, one = t[i], o[i]
+            assert sorted(one) == sorted(ref)
+            for key, expected in ref.items():
+                np.testing.assert_array_equal(one[key].numpy(), expected.numpy(), err_msg=f"ds[{i}] {key}")
+                np.testing.assert_array_equal(batched[key][i], expected.numpy(), err_msg=f"batched {i} {key}")
