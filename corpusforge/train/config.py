@@ -442,12 +442,14 @@ def _check_parallel(p: ParallelConfig) -> None:
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
-    """Micro-batches per rank per optimizer step; an error when the global batch does not divide evenly."""
+    """Micro-batches per rank per optimizer step, `world_size` being the data-parallel ranks (the world size over
+    tp x pp); an error when the global batch does not divide evenly."""
     per_pass = cfg.micro_batch_size * cfg.seq_length * world_size
     if cfg.global_batch_tokens % per_pass:
         raise ConfigError(
             f"global_batch_tokens {cfg.global_batch_tokens} is not a multiple of micro_batch_size "
-            f"{cfg.micro_batch_size} x seq_length {cfg.seq_length} x {world_size} rank(s) = {per_pass}; "
+            f"{cfg.micro_batch_size} x seq_length {cfg.seq_length} x {world_size} data-parallel rank(s) = "
+            f"{per_pass}; "
             f"use e.g. global_batch_tokens={max(1, round(cfg.global_batch_tokens / per_pass)) * per_pass}"
         )
     return cfg.global_batch_tokens // per_pass
