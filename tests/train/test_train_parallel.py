@@ -224,3 +224,32 @@ def test_dry_run_shows_each_ranks_layers_shard_and_memory(tmp_path):
     assert first["optimizer_gb"] == pytest.approx(2 * first["params_gb"], rel=1e-3)
     assert first["logits_gb"] == 0 and last["logits_gb"] > 0  # the head and its logits live on the last stage
     assert sum(line.startswith("  rank ") for line in lines) == 8
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tensor_parallel_keeps_a_tied_head_tied(tmp_path, family):
+    """parallelize_module gives the embedding and the head a DTensor each; apply_tp ties them again (a 1-rank
+    group here: the re-tying is the same whatever tp is; the 2-rank runs above prove the training matches)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from corpusforge.train.parallel import apply_tp, tied_pair
+    from corpusforge.train.trainer import build_model
+
+    cfg = load_config(None, ['model="custom"', "n_layer=1", "n_head=4", "n_embd=32", "vocab_size=64",
+                             "seq_length=32", *FAMILIES[family]])  # fmt: skip
+    mcfg = model_config(cfg)
+    if family == "llama":
+        mcfg = type(mcfg)(**{**mcfg.__dict__, "tie_embeddings": True})  # as Llama 3.2 1B and 3B
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_model(mcfg)
+        apply_tp(model, init_device_mesh("cpu", (1,)), sp=True, loss_parallel=True)
+        embedding, head = (model.get_submodule(name) for name in tied_pair(model))
+        assert head.weight is embedding.weight and isinstance(head.weight, DTensor)
+        assert all(isinstance(p, DTensor) for p in model.parameters())  # one kind for the optimizer and the norm
+        assert model(torch.randint(0, 64, (2, 32))).shape == (2, 32, 128)
+    finally:
+        dist.destroy_process_group()
