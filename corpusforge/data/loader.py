@@ -276,18 +276,25 @@ class Loader:
             pin_memory=self.pin_memory and not raw,
             **workers,
         )
-        config = self.dataset.config
+        # A dataset with its own assemble (RetroDataset: neighbours too) makes its fields; GPT datasets use batch.py's.
+        own = getattr(self.dataset, "assemble", None)
+        config = getattr(self.dataset, "config", None)
         for batch in loader:
             # Counted when handed over, not when prefetched: a state saved now resumes at the next batch.
             self.consumed_samples += self.global_batch_size
-            yield assemble(batch, config, as_torch=True, pin_memory=pin) if raw else batch
+            if not raw:
+                yield batch
+            elif own is not None:
+                yield own(batch, as_torch=True, pin_memory=pin)
+            else:
+                yield assemble(batch, config, as_torch=True, pin_memory=pin)
 
     def state_dict(self) -> dict[str, Any]:
         """What resuming needs: samples consumed by all ranks, the seed, and the data's fingerprint."""
         return {
             "version": STATE_VERSION,
             "consumed_samples": self.consumed_samples,
-            "seed": self.dataset.config.seed,
+            "seed": getattr(getattr(self.dataset, "config", self.dataset), "seed", None),  # RetroDataset has no config
             "fingerprint": self.fingerprint_hash,
             "description": self.fingerprint,
         }
