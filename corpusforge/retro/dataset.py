@@ -76,7 +76,7 @@ class RetroDataset:
     the tokens of their neighbours.
 
     Example:
-        >>> ds = RetroDataset("db/", seq_length=2048, num_neighbours=2, seed=1234)
+        >>> ds = RetroDataset("db/", seq_length=2048, num_neighbours=2, seed=1234, num_samples=10_000)
         >>> batch = ds.__getitems__([0, 1])     # torch: tokens (2, 2048) ... neighbours (2, 32, 2, 128)
     """
 
@@ -92,11 +92,13 @@ class RetroDataset:
         seed: int | None = None,
         neighbours: str = "real",
         sample_range: tuple[int, int] | None = None,
+        num_samples: int | None = None,
     ) -> None:
         self._args = dict(db=str(db), seq_length=seq_length, pad_id=pad_id, neighbours_path=neighbours_path,
                           num_neighbours=num_neighbours, chunk_length=chunk_length,
                           retrieved_chunks=retrieved_chunks, seed=seed, neighbours=neighbours,
-                          sample_range=None if sample_range is None else tuple(sample_range))  # fmt: skip
+                          sample_range=None if sample_range is None else tuple(sample_range),
+                          num_samples=num_samples)  # fmt: skip
         db = Path(db)
         manifest_path = db / "manifest.json"
         if not manifest_path.is_file():
@@ -147,6 +149,11 @@ class RetroDataset:
         self.order = np.arange(lo, hi, dtype=np.int64)
         if seed is not None:
             self.order = np.random.default_rng(seed).permutation(self.order)
+        # A trainer asks for as many samples as its steps consume: past the range, the order repeats (each epoch
+        # the same permutation), as a GPT dataset repeats a short split.
+        if num_samples is not None and num_samples < 1:
+            raise RetroError(f"num_samples {num_samples}: ask for at least 1 sample")
+        self.num_samples = len(self.order) if num_samples is None else int(num_samples)
         self.fingerprint = {
             "db": str(db.resolve()),
             "identity": manifest.get("identity"),
@@ -158,7 +165,7 @@ class RetroDataset:
         }
 
     def __len__(self) -> int:
-        return len(self.order)
+        return self.num_samples
 
     @property
     def remote(self) -> bool:
@@ -170,7 +177,7 @@ class RetroDataset:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"sample index out of range for {len(self)} samples")
-        sample = self.order[idx % max(len(self), 1)]
+        sample = self.order[(idx % max(len(self), 1)) % len(self.order)]
         return sample[:, None] * self.chunks_per_sample + np.arange(self.chunks_per_sample)[None, :]
 
     def _neighbour_ids(self, chunk_ids: np.ndarray) -> np.ndarray:

@@ -94,6 +94,52 @@ class ParallelConfig:
     """FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory (dp_shard > 1 only)."""
 
 
+@dataclass(frozen=True)
+class RetroSection:
+    """A RETRO model's retrieval (model = "retro" or a retro-* preset): the section [retro] of a config file;
+    overrides as `retro.db=db/`. The training samples are the database's query chunks (its own corpus, or the
+    dataset it was built for with build-knn --query-prefix), split by position into train and validation by
+    `split`; data_path, when given, must be that dataset.
+
+        [retro]
+        db = "db/"               # corpusforge build-knn's output directory
+        num_neighbours = 2
+        chunk_length = 64        # must be the database's
+    """
+
+    db: str = ""
+    """Retrieval database directory written by `corpusforge build-knn` (chunks, neighbours, manifest.json)."""
+
+    neighbours_path: str = ""
+    """Neighbours file of the training samples; empty: DB/neighbours.bin. It must hold a row per query chunk."""
+
+    num_neighbours: int = 2
+    """Neighbours K per chunk fed to the model (RETRO: 2); at most what the neighbours file stores."""
+
+    chunk_length: int = 64
+    """Tokens per chunk m (RETRO: 64); must be the chunk length the database was built with."""
+
+    retrieved_chunks: int = 2
+    """Chunks per neighbour: the neighbour and its continuation (RETRO: 2)."""
+
+    encoder_layers: int = 2
+    """Retrieval encoder layers (RETRO, Megatron: 2); 0: the preset's."""
+
+    encoder_n_embd: int = 0
+    """Encoder width; 0: the preset's, or the decoder's."""
+
+    encoder_n_head: int = 0
+    """Encoder heads; 0: the preset's, or the decoder's head size at the encoder's width."""
+
+    cca_layers: list[int] = field(default_factory=list)
+    """0-based decoder layers with chunked cross-attention; empty: Megatron's rule (from layer 6 when there are
+    15 layers or fewer, else from layer 9, then every 3rd)."""
+
+    random_eval: bool = True
+    """Also compute the validation loss with each neighbour replaced by a random chunk of the database: the gap
+    to the real neighbours' loss is what retrieval brings (logged as val_loss_random and retrieval_gain)."""
+
+
 PARALLEL_LEGACY = {"ddp": {"dp_replicate": -1, "dp_shard": 1}, "fsdp": {"dp_replicate": 1, "dp_shard": -1}}
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
@@ -130,11 +176,14 @@ class TrainConfig:
     # -- model -------------------------------------------------------------------------------------------------
     model: str = "gpt2-124m"
     """Model preset: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; llama3-1b, llama3-3b (Llama 3.2), llama3-8b,
-    llama3-70b (Llama 3.1), llama3-tiny; or "custom" (then model_family, n_layer, n_head, n_embd)."""
+    llama3-70b (Llama 3.1), llama3-tiny; retro-tiny-cpu, retro-172m, retro-425m (RETRO, the paper's two smallest
+    decoders); "custom" (then model_family, n_layer, n_head, n_embd) or "retro" (a RETRO decoder of n_layer,
+    n_head, n_embd). RETRO models read their data from [retro]."""
 
     model_family: str = "auto"
-    """"gpt2" (GPT-2: LayerNorm, GELU, learned positions, tied head) or "llama" (Llama 3: RMSNorm, RoPE, SwiGLU,
-    grouped-query attention); "auto": the preset's family, gpt2 for "custom"."""
+    """"gpt2" (GPT-2: LayerNorm, GELU, learned positions, tied head), "llama" (Llama 3: RMSNorm, RoPE, SwiGLU,
+    grouped-query attention) or "retro" (a GPT-2 decoder with chunked cross-attention to retrieved neighbours);
+    "auto": the preset's family, gpt2 for "custom"."""
 
     n_layer: int = 0
     """Transformer blocks; 0: from the preset."""
@@ -249,6 +298,11 @@ class TrainConfig:
     peak_flops: float = 0.0
     """Peak bf16 FLOP/s of one device for MFU; 0: look the device up in the table in metrics.py."""
 
+    retro: RetroSection = field(default_factory=RetroSection)
+    """A RETRO model's retrieval database and shape: the section [retro] with RetroSection's keys (db,
+    neighbours_path, num_neighbours, chunk_length, retrieved_chunks, encoder_layers, encoder_n_embd,
+    encoder_n_head, cca_layers, random_eval); read only when the model is a RETRO one."""
+
     # ----------------------------------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
@@ -279,6 +333,8 @@ class TrainConfig:
             values["storage"] = storage_config(values["storage"])
         if isinstance(values.get("parallel"), dict):
             values["parallel"] = ParallelConfig(**values["parallel"])
+        if isinstance(values.get("retro"), dict):
+            values["retro"] = RetroSection(**values["retro"])
         return cls(**values)
 
     @property
@@ -286,11 +342,15 @@ class TrainConfig:
         """ "gpt2" or "llama"."""
         if self.model_family != "auto":
             return self.model_family
+        if self.model == "retro" or self.model in _retro_presets():
+            return "retro"
         return "llama" if self.model in LLAMA_PRESETS else "gpt2"
 
     def model_shape(self) -> tuple[int, int, int]:
         """(n_layer, n_head, n_embd): the preset's, with any non-zero key taking precedence."""
-        base = PRESETS.get(self.model) or LLAMA_PRESETS.get(self.model, {}).get("shape", (0, 0, 0))
+        retro = _retro_presets().get(self.model)
+        retro_shape = (retro["n_layer"], retro["n_head"], retro["n_embd"]) if retro else None
+        base = PRESETS.get(self.model) or retro_shape or LLAMA_PRESETS.get(self.model, {}).get("shape", (0, 0, 0))
         return tuple(mine or theirs for mine, theirs in zip((self.n_layer, self.n_head, self.n_embd), base))  # type: ignore
 
     def llama_shape(self) -> dict[str, Any]:
@@ -305,6 +365,13 @@ class TrainConfig:
             "rope_scaling": preset.get("rope_scaling", 0.0),
             "tie_embeddings": preset.get("tie_embeddings", False),
         }
+
+
+def _retro_presets() -> dict[str, dict]:
+    # retro_model imports this module (for ConfigError): imported when first asked, not at import time
+    from corpusforge.train.retro_model import RETRO_PRESETS
+
+    return RETRO_PRESETS
 
 
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -336,7 +403,7 @@ SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
 CHOICES = {
     "model": [*PRESETS, *LLAMA_PRESETS, "custom"],
-    "model_family": ["auto", "gpt2", "llama"],
+    "model_family": ["auto", "gpt2", "llama", "retro"],
     "device": ["auto", "cuda", "cpu"],
     "dtype": ["auto", "bfloat16", "float32"],
     "data_source": ["loader", "synthetic"],
@@ -367,6 +434,8 @@ def _check_types(cfg: TrainConfig) -> None:
 
 def _check_values(cfg: TrainConfig) -> None:
     for key, allowed in CHOICES.items():
+        if key == "model":
+            allowed = [*allowed, "retro", *_retro_presets()]
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} = {getattr(cfg, key)!r}: choose one of {allowed}")
     if cfg.compile not in (True, False, "auto"):
@@ -398,8 +467,8 @@ def _check_values(cfg: TrainConfig) -> None:
         raise ConfigError(f"dropout = {cfg.dropout}: must be in [0, 1)")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"min_lr {cfg.min_lr} is above lr {cfg.lr}")
-    if cfg.model == "custom" and not (cfg.n_layer and cfg.n_head and cfg.n_embd):
-        raise ConfigError('model = "custom" needs n_layer, n_head and n_embd')
+    if cfg.model in ("custom", "retro") and not (cfg.n_layer and cfg.n_head and cfg.n_embd):
+        raise ConfigError(f"model = {cfg.model!r} needs n_layer, n_head and n_embd")
     n_head, n_embd = cfg.model_shape()[1:]
     if n_embd % n_head:
         raise ConfigError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
@@ -409,6 +478,24 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.family == "llama" and n_head % cfg.llama_shape()["n_kv_head"]:
         raise ConfigError(f"n_head {n_head} is not a multiple of n_kv_head {cfg.llama_shape()['n_kv_head']}")
     _check_parallel(cfg.parallel)
+    _check_retro(cfg.retro)
+
+
+def _check_retro(r: RetroSection) -> None:
+    """Each [retro] value on its own; the database itself is checked when the data is built."""
+    hints = typing.get_type_hints(RetroSection)
+    for f in fields(r):
+        value = getattr(r, f.name)
+        if not _accepts(hints[f.name], value):
+            raise ConfigError(f"retro.{f.name} = {value!r}: expected {hints[f.name]}")
+    for key in ("num_neighbours", "chunk_length", "retrieved_chunks"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must be at least 1")
+    for key in ("encoder_layers", "encoder_n_embd", "encoder_n_head"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must not be negative")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in r.cca_layers):
+        raise ConfigError(f"retro.cca_layers = {r.cca_layers!r}: give 0-based decoder layer indices")
 
 
 def _check_parallel(p: ParallelConfig) -> None:
@@ -505,7 +592,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides."""
     known = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {"storage": {}, "parallel": {}}
+    sections: dict[str, dict[str, Any]] = {"storage": {}, "parallel": {}, "retro": {}}
     if path is not None:
         path = Path(path)
         try:
@@ -525,7 +612,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 continue
             if isinstance(value, dict):
                 raise ConfigError(
-                    f"{path}: [{key}]: sections are not used (except [storage] and [parallel]); write flat lines"
+                    f"{path}: [{key}]: sections are not used (except [storage], [parallel], [retro]); write flat lines"
                 )
             if key not in known:
                 raise _unknown_key(key, str(path))
@@ -538,6 +625,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if key.startswith("parallel."):
             sections["parallel"][key.partition(".")[2]] = value
             continue
+        if key.startswith("retro."):
+            sections["retro"][key.partition(".")[2]] = value
+            continue
         if key == "parallel" and isinstance(value, str):
             sections["parallel"].update(_legacy_parallel(value, f"override {text!r}"))
             continue
@@ -548,6 +638,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         values["storage"] = storage_config(sections["storage"], f"{path or 'config'}: [storage]")
     if sections["parallel"]:
         values["parallel"] = parallel_config(sections["parallel"], f"{path or 'config'}: [parallel]")
+    if sections["retro"]:
+        values["retro"] = retro_section(sections["retro"], f"{path or 'config'}: [retro]")
     try:
         return TrainConfig(**values)
     except ConfigError as e:
@@ -574,6 +666,22 @@ def parallel_config(values: dict[str, Any], where: str = "[parallel]") -> Parall
             hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
             raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
     return ParallelConfig(**values)
+
+
+def retro_section(values: dict[str, Any], where: str = "[retro]") -> RetroSection:
+    """A RetroSection from the [retro] section's values; unknown keys are ConfigErrors with a suggestion.
+
+    Example:
+        >>> retro_section({"db": "db/", "num_neighbours": 2}).db
+        'db/'
+    """
+    names = [f.name for f in fields(RetroSection)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
+    return RetroSection(**values)
 
 
 def _set_dotted(table: dict[str, Any], keys: list[str], value: Any, text: str) -> None:
@@ -624,12 +732,13 @@ def describe_keys() -> str:
                 default = sf.default if sf.default is not MISSING else sf.default_factory()  # type: ignore[misc]
                 lines.append(f"storage.{sf.name} = {json.dumps(default)}\n    {docs.get(sf.name, '')}")
             continue
-        if f.name == "parallel":
-            lines.append(f"[parallel]\n    {key_docs().get(f.name, '')}")
-            docs = _attribute_docs(ParallelConfig)
-            for pf in fields(ParallelConfig):
+        if f.name in ("parallel", "retro"):
+            section = ParallelConfig if f.name == "parallel" else RetroSection
+            lines.append(f"[{f.name}]\n    {key_docs().get(f.name, '')}")
+            docs = _attribute_docs(section)
+            for pf in fields(section):
                 default = pf.default if pf.default is not MISSING else pf.default_factory()  # type: ignore[misc]
-                lines.append(f"parallel.{pf.name} = {json.dumps(default)}\n    {docs.get(pf.name, '')}")
+                lines.append(f"{f.name}.{pf.name} = {json.dumps(default)}\n    {docs.get(pf.name, '')}")
             continue
         default = f.default if f.default is not MISSING else "(required)"
         lines.append(f"{f.name} = {json.dumps(default)}\n    {key_docs().get(f.name, '')}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ class TrainData:
     train_samples: int  # samples the run consumes (all ranks)
     train_tokens_per_epoch: int  # tokens of the train split(s), before the sample index repeats them
     read_modes: dict[str, str] = field(default_factory=dict)  # how each dataset is read, and why (run summary)
+    valid_random: Any | None = None  # RETRO: the validation samples with random neighbours (the retrieval gap)
 
     def __post_init__(self) -> None:
         self.valid_start = self.valid.state_dict() if self.valid is not None else None  # rewound before each eval
+        self.valid_random_start = self.valid_random.state_dict() if self.valid_random is not None else None
 
 
 class SyntheticLoader:
@@ -71,6 +74,10 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
     (pass `barrier` under torch.distributed)."""
     from corpusforge.data import build_gpt_datasets, make_loader, read_modes
 
+    if cfg.family == "retro":
+        if cfg.data_source == "synthetic":
+            raise ConfigError('data_source = "synthetic" is for GPT models; a RETRO model reads [retro] db')
+        return build_retro_data(cfg, rank, world_size)
     if cfg.data_source == "synthetic":
         valid = SyntheticLoader(cfg, device) if cfg.eval_interval else None
         return TrainData(SyntheticLoader(cfg, device), valid, cfg.max_steps * cfg.global_batch_tokens // cfg.seq_length,
@@ -112,14 +119,130 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
         )
     if cfg.eval_interval and valid is None:
         raise DataError(f"split {cfg.split!r} gives validation no data; change split or set eval_interval=0")
-    options = {"pin_memory": cfg.device != "cpu" and _cuda(), "persistent_workers": cfg.num_workers > 0}
-    if cfg.num_workers > 0:
-        options["prefetch_factor"] = 4
+    options = _loader_options(cfg)
     train_loader = make_loader(train, cfg.micro_batch_size, rank, world_size, cfg.num_workers, **options)
     valid_loader = None
     if cfg.eval_interval:
         valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
     return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train))
+
+
+def _loader_options(cfg: TrainConfig) -> dict[str, Any]:
+    options = {"pin_memory": cfg.device != "cpu" and _cuda(), "persistent_workers": cfg.num_workers > 0}
+    if cfg.num_workers > 0:
+        options["prefetch_factor"] = 4
+    return options
+
+
+def build_retro_data(cfg: TrainConfig, rank: int, world_size: int) -> TrainData:
+    """RETRO's loaders: the database's query chunks as samples of seq_length tokens, split by position (train
+    first, then validation: they share no chunk), each with its K neighbours (and, for the second validation
+    loader, K random chunks of the database instead). Everything a database can disagree with the config on is
+    checked here, one line each, before any model is built.
+
+    Example:
+        >>> data = build_retro_data(load_config("configs/retro-tiny-cpu.toml"), rank=0, world_size=1)
+    """
+    from corpusforge.data import make_loader
+    from corpusforge.data.gpt_dataset import split_ranges
+    from corpusforge.retro import RetroDataset
+
+    r = cfg.retro
+    if not r.db:
+        raise ConfigError('retro.db is empty: give the directory `corpusforge build-knn` wrote, e.g. retro.db="db/"')
+    db = Path(r.db)
+    check_retro_database(cfg, db)
+    common = dict(seq_length=cfg.seq_length, num_neighbours=r.num_neighbours, chunk_length=r.chunk_length,
+                  retrieved_chunks=r.retrieved_chunks, seed=cfg.seed,
+                  neighbours_path=r.neighbours_path or None)  # fmt: skip
+    whole = RetroDataset(db, **common)  # raises for another chunk length, too few neighbours, a short file
+    n = len(whole)
+    train_range, valid_range, _ = split_ranges(cfg.split, n)
+    if train_range is None or train_range[1] <= train_range[0]:
+        raise DataError(f"{db}: split {cfg.split!r} gives the train split none of the {n} samples")
+    samples_per_step = cfg.global_batch_tokens // cfg.seq_length
+    train_samples = cfg.max_steps * samples_per_step
+    tokens = (train_range[1] - train_range[0]) * cfg.seq_length
+    if tokens < cfg.global_batch_tokens:
+        raise DataError(
+            f"{db}: the train split holds {tokens:,} tokens, fewer than one global batch of "
+            f"{cfg.global_batch_tokens:,}; use a larger database or a smaller global_batch_tokens"
+        )
+    train = RetroDataset(db, **common, sample_range=train_range, num_samples=train_samples)
+    options = _loader_options(cfg)
+    train_loader = make_loader(train, cfg.micro_batch_size, rank, world_size, cfg.num_workers, **options)
+    valid_loader = random_loader = None
+    if cfg.eval_interval:
+        if valid_range is None or valid_range[1] <= valid_range[0]:
+            raise DataError(
+                f"{db}: split {cfg.split!r} gives validation none of the {n} samples; change split or set "
+                f"eval_interval=0"
+            )
+        valid_samples = cfg.eval_batches * cfg.micro_batch_size * world_size
+        valid = RetroDataset(db, **common, sample_range=valid_range, num_samples=valid_samples)
+        valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
+        if r.random_eval:
+            rand = RetroDataset(db, **common, sample_range=valid_range, num_samples=valid_samples, neighbours="random")
+            random_loader = make_loader(rand, cfg.micro_batch_size, rank, world_size, 0)
+    modes = {str(db): "mmap (chunk tables, neighbours and token files memory-mapped)"}
+    return TrainData(train_loader, valid_loader, train_samples, tokens, modes, random_loader)
+
+
+def check_retro_database(cfg: TrainConfig, db: Path) -> None:
+    """One line for each way a database cannot serve this config: not a database, no neighbours yet, token data
+    changed since the build (its chunk table and neighbours describe other tokens), data_path naming a dataset
+    the neighbours were not computed for, or the database's corpus and the training data tokenised differently."""
+    from corpusforge.describe import recorded_tokenizer
+    from corpusforge.retro.common import data_fingerprint
+
+    manifest_path = db / "manifest.json"
+    if not manifest_path.is_file():
+        raise DataError(f"{db}: not a retrieval database (no manifest.json); build one with corpusforge build-knn")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        built, identity = manifest["config"], manifest.get("identity") or {}
+    except (ValueError, KeyError, TypeError):
+        raise DataError(
+            f"{manifest_path}: unreadable manifest; rebuild the database with corpusforge build-knn"
+        ) from None
+    corpus, query = built["prefix"], built.get("query_prefix") or built["prefix"]
+    for prefix, key in ((corpus, "data"), (query, "query_data" if built.get("query_prefix") else "data")):
+        recorded = identity.get(key)
+        if not recorded:
+            continue
+        try:
+            now = data_fingerprint(prefix)
+        except OSError as e:
+            raise DataError(
+                f"{db}: the database's dataset {prefix} cannot be read ({e}); restore it or rebuild"
+            ) from None
+        if now["sha256"] != recorded.get("sha256") or now["bin_bytes"] != recorded.get("bin_bytes"):
+            raise DataError(
+                f"{db}: {prefix} changed since the database was built (its chunks and neighbours describe other "
+                f"tokens); rerun corpusforge build-knn on it"
+            )
+    if cfg.data_path:
+        if not isinstance(cfg.data_path, str):
+            raise ConfigError(
+                "data_path: a RETRO model trains on one dataset, not a blend; give its prefix or leave it empty"
+            )
+        same = False
+        try:
+            same = data_fingerprint(cfg.data_path)["sha256"] == data_fingerprint(query)["sha256"]
+        except OSError:
+            raise DataError(f"{cfg.data_path}: no such token dataset (.bin/.idx)") from None
+        if not same:
+            raise DataError(
+                f"{db}: its neighbours cover the chunks of {query}, not of data_path {cfg.data_path}; compute them "
+                f"with corpusforge build-knn {corpus} --output {db} --query-prefix {cfg.data_path} (a new database "
+                f"directory), or leave data_path empty"
+            )
+    mine, theirs = recorded_tokenizer(query), recorded_tokenizer(corpus)
+    if mine is not None and theirs is not None and mine.fingerprint != theirs.fingerprint:
+        raise DataError(
+            f"{db}: the database's corpus {corpus} was tokenised with {theirs.spec}, the training data {query} with "
+            f"{mine.spec}; neighbours would be ids of another vocabulary. Preprocess both with one tokenizer"
+        )
 
 
 def _cuda() -> bool:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from corpusforge.data.loader import LoaderStateError
 from corpusforge.train import checkpoint as ckpt
-from corpusforge.train import llama
+from corpusforge.train import llama, retro_model
 from corpusforge.train import parallel as par
 from corpusforge.train import pipeline as pipe
 from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps
@@ -36,6 +36,9 @@ from corpusforge.train.llama import Llama, LlamaConfig
 from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, percentiles_ms
 from corpusforge.train.model import GPT, GPTConfig, flops_per_token, loss_fn
 from corpusforge.train.optim import lr_at, make_optimizer
+from corpusforge.train.retro_model import RetroConfig, RetroModel
+
+ModelConfig = GPTConfig | LlamaConfig | RetroConfig
 
 Log = Callable[[str], None]
 
@@ -99,20 +102,39 @@ def gpt_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(n_layer, n_head, n_embd, cfg.vocab_size, cfg.seq_length, cfg.dropout, cfg.bias)
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig | LlamaConfig:
+def retro_config(cfg: TrainConfig) -> RetroConfig:
+    """A RETRO preset (or model = "retro": n_layer, n_head, n_embd) with the [retro] keys that are set."""
+    n_layer, n_head, n_embd = cfg.model_shape()
+    r = cfg.retro
+    keys = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                chunk_length=r.chunk_length, num_neighbours=r.num_neighbours,
+                retrieved_chunks=r.retrieved_chunks)  # fmt: skip
+    keys.update({k: getattr(r, k) for k in ("encoder_layers", "encoder_n_embd", "encoder_n_head") if getattr(r, k)})
+    if r.cca_layers:
+        keys["cca_layers"] = tuple(r.cca_layers)
+    if cfg.model == "retro":
+        return RetroConfig(vocab_size=cfg.vocab_size, block_size=cfg.seq_length, **keys)
+    return retro_model.retro_preset(cfg.model, cfg.vocab_size, cfg.seq_length, **keys)
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
     """The model config of the run's family."""
     if cfg.family == "gpt2":
         return gpt_config(cfg)
+    if cfg.family == "retro":
+        return retro_config(cfg)
     n_layer, n_head, n_embd = cfg.model_shape()
     return LlamaConfig(n_layer, n_head, n_embd=n_embd, vocab_size=cfg.vocab_size, block_size=cfg.seq_length,
                        dropout=cfg.dropout, **cfg.llama_shape())  # fmt: skip
 
 
-def build_model(mcfg: GPTConfig | LlamaConfig) -> GPT | Llama:
+def build_model(mcfg: ModelConfig) -> GPT | Llama | RetroModel:
+    if isinstance(mcfg, RetroConfig):
+        return RetroModel(mcfg)
     return Llama(mcfg) if isinstance(mcfg, LlamaConfig) else GPT(mcfg)
 
 
-def model_shape(g: GPTConfig | LlamaConfig) -> dict[str, int]:
+def model_shape(g: ModelConfig) -> dict[str, int]:
     """What a checkpoint must match to be resumed into this model."""
     shape = {
         "n_layer": g.n_layer,
@@ -124,6 +146,11 @@ def model_shape(g: GPTConfig | LlamaConfig) -> dict[str, int]:
     if isinstance(g, LlamaConfig):
         return {"family": "llama", **shape, "n_kv_head": g.n_kv_head, "ffn_hidden": g.ffn_hidden,
                 "tie_embeddings": int(g.tie_embeddings)}  # fmt: skip
+    if isinstance(g, RetroConfig):
+        return {"family": "retro", **shape, "bias": int(g.bias), "chunk_length": g.chunk_length,
+                "num_neighbours": g.num_neighbours, "retrieved_length": g.retrieved_length,
+                "encoder_layers": g.encoder_layers, "encoder_n_embd": g.enc_embd, "encoder_n_head": g.enc_head,
+                "cca_layers": list(g.cca_layer_indices)}  # fmt: skip
     return {**shape, "bias": int(g.bias)}
 
 
@@ -162,7 +189,7 @@ def memory_estimate(g: GPTConfig | LlamaConfig, n_params: int, cfg: TrainConfig,
 class Plan:
     cfg: TrainConfig
     rt: Runtime
-    gpt: GPTConfig | LlamaConfig  # the model config, of either family
+    gpt: ModelConfig  # the model config, of any family
     layout: par.Layout
     grad_accum: int
     n_params: int
@@ -235,9 +262,12 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     with torch.device("meta" if dry_run else rt.device):
         model = build_model(g)
     n_params = model.num_params()
-    fpt = (llama.flops_per_token if isinstance(g, LlamaConfig) else flops_per_token)(
-        g, model.num_params(embeddings=False), cfg.seq_length
-    )
+    if isinstance(g, RetroConfig):  # the encoder and the cross-attentions counted too
+        fpt = retro_model.flops_per_token(g, cfg.seq_length)
+    else:
+        fpt = (llama.flops_per_token if isinstance(g, LlamaConfig) else flops_per_token)(
+            g, model.num_params(embeddings=False), cfg.seq_length
+        )
     dtype = autocast_dtype(cfg, rt.device)
     memory = max((memory_estimate(g, n_params, cfg, layout, dtype, r) for r in range(layout.pp)),
                  key=lambda m: m["total_gb"])  # the most loaded pipeline position  # fmt: skip
@@ -261,6 +291,8 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
         return wrap_pipeline(model, cfg, rt, layout, plan, compiled)
     if layout.tp > 1 or layout.fsdp:
         plan.mesh = par.build_mesh(layout, rt.device.type)
+        if isinstance(model, RetroModel):  # the encoder its own FSDP unit, before the blocks and the root
+            shard_retro_encoder(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device))
         par.parallelize(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
         if compiled and not layout.fsdp:
             model.compile()
@@ -274,6 +306,30 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
         ids = [rt.local_rank] if rt.device.type == "cuda" else None
         return model, DDP(model, device_ids=ids, gradient_as_bucket_view=True)
     return model, model
+
+
+def shard_retro_encoder(model: RetroModel, cfg: TrainConfig, layout: par.Layout, mesh: Any,
+                        dtype: torch.dtype) -> None:  # fmt: skip
+    """FSDP2 on RETRO's retrieval encoder: gathered once per step at the first RETRO layer, which calls it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    options: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    }
+    if cfg.parallel.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    fully_shard(model.encoder, **options)
+
+
+def check_retro_layout(cfg: TrainConfig, layout: par.Layout) -> None:
+    """RETRO runs data-parallel only (DDP, FSDP2, HSDP): one line for tensor or pipeline parallelism."""
+    if cfg.family == "retro" and (layout.tp > 1 or layout.pp > 1):
+        raise ConfigError(
+            f"parallel: tp = {layout.tp}, pp = {layout.pp}: a RETRO model trains with data parallelism only (DDP, "
+            f"FSDP2) for now (Megatron's RETRO had no pipeline either); set parallel.tp=1 and parallel.pp=1"
+        )
 
 
 def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.Layout, plan: Plan,
@@ -333,15 +389,24 @@ class DataStream:
                 self.it = iter(self.loader)
             batch = next(self.it)
         wait = time.perf_counter() - t0
+        cfg = self.plan.cfg
+        retro = "neighbours" in batch
         if batch["tokens"].device.type == "cpu":  # on the device, .max() would wait for the GPU every micro-batch
-            check_vocab(batch["tokens"], batch["labels"], self.plan.cfg.vocab_size, self.plan.cfg.data_path)
-        dev = {
-            k: batch[k].to(self.plan.rt.device, non_blocking=self.non_blocking)
-            for k in ("tokens", "labels", "loss_mask", "position_ids")
-        }
-        for k in ("tokens", "labels", "position_ids"):
+            check_vocab(batch["tokens"], batch["labels"], cfg.vocab_size, cfg.data_path or cfg.retro.db)
+            if retro:  # the neighbours are tokens of the database's corpus: the same embedding reads them
+                check_vocab(batch["neighbours"], batch["neighbours"], cfg.vocab_size, f"{cfg.retro.db} (neighbours)")
+        keys = ("tokens", "labels", "loss_mask", "position_ids") + (("neighbours", "neighbour_mask") if retro else ())
+        dev = {k: batch[k].to(self.plan.rt.device, non_blocking=self.non_blocking) for k in keys}
+        for k in ("tokens", "labels", "position_ids") + (("neighbours",) if retro else ()):
             dev[k] = dev[k].long()  # int32 on the wire, int64 for the embedding: widened on the device
         return dev, wait
+
+
+def forward(plan: Plan, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of a batch: RETRO models also read its neighbours and their mask."""
+    if "neighbours" in batch:
+        return plan.step_model(batch["tokens"], batch["neighbours"], batch["neighbour_mask"], batch["position_ids"])
+    return plan.step_model(batch["tokens"], batch["position_ids"])
 
 
 def grad_sync(plan: Plan, enabled: bool):
@@ -386,7 +451,7 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
             continue
         with grad_sync(plan, micro == plan.grad_accum - 1), plan.loss_context():
             with autocast(plan):
-                logits = plan.step_model(batch["tokens"], batch["position_ids"])  # (B, T, V), maybe V-sharded
+                logits = forward(plan, batch)  # (B, T, V), maybe V-sharded
                 loss = loss_of(logits, batch["labels"], batch["loss_mask"]) / plan.grad_accum
             loss.backward()
         loss_sum += loss.detach()
@@ -402,10 +467,11 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
 
 
 @torch.no_grad()
-def evaluate(plan: Plan, loss_of) -> float:
-    """Mean loss over the same eval_batches validation micro-batches per rank every time."""
-    loader = plan.data.valid
-    loader.load_state_dict(plan.data.valid_start)  # the same batches every time
+def evaluate(plan: Plan, loss_of, random_neighbours: bool = False) -> float:
+    """Mean loss over the same eval_batches validation micro-batches per rank every time; for RETRO with
+    `random_neighbours`, the same samples with random database chunks as neighbours."""
+    loader = plan.data.valid_random if random_neighbours else plan.data.valid
+    loader.load_state_dict(plan.data.valid_random_start if random_neighbours else plan.data.valid_start)
     stream = DataStream(loader, plan)
     plan.model.eval()
     total = torch.zeros((), device=plan.rt.device)
@@ -415,9 +481,7 @@ def evaluate(plan: Plan, loss_of) -> float:
             total += pipeline_pass(plan, batch, train=False) * plan.grad_accum  # the loss carries 1/grad_accum
             continue
         with autocast(plan), plan.loss_context():
-            total += loss_of(
-                plan.step_model(batch["tokens"], batch["position_ids"]), batch["labels"], batch["loss_mask"]
-            )
+            total += loss_of(forward(plan, batch), batch["labels"], batch["loss_mask"])
     plan.model.train()
     return float(all_mean(total / plan.cfg.eval_batches, plan))
 
@@ -501,6 +565,7 @@ def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None, world
     for `world_size` ranks when given (default: torchrun's WORLD_SIZE, or 1) and prints which rank holds what."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     layout = par.resolve_layout(cfg, world_size or world, model_config(cfg))  # before any process group
+    check_retro_layout(cfg, layout)
     rt = setup_runtime(cfg) if not (dry_run and world_size) else Runtime()
     log = log if log is not None and rt.is_main else default_log(rt)
     try:
@@ -596,8 +661,16 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
             t0 = time.perf_counter()
             val = evaluate(plan, loss_of)
             stats.valid.append((step, val))
-            log(f"step {step:>6}/{cfg.max_steps} | val_loss {val:.4f}")
-            writer.write("valid", {"step": step, "val_loss": val})
+            record: dict[str, Any] = {"step": step, "val_loss": val}
+            if plan.data.valid_random is not None:  # what retrieval brings: the loss without informative neighbours
+                record["val_loss_random"] = evaluate(plan, loss_of, random_neighbours=True)
+                record["retrieval_gain"] = record["val_loss_random"] - val
+                stats.valid_random.append((step, record["val_loss_random"]))
+            log(
+                f"step {step:>6}/{cfg.max_steps} | "
+                + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step")
+            )
+            writer.write("valid", record)
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
         if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or step == last:
             stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
@@ -619,6 +692,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
 class Stats:
     intervals: list[dict] = field(default_factory=list)
     valid: list[tuple[int, float]] = field(default_factory=list)
+    valid_random: list[tuple[int, float]] = field(default_factory=list)  # RETRO, random neighbours
     stalls: list[float] = field(default_factory=list)
     seconds: float = 0.0
     steps: int = 0
@@ -634,6 +708,10 @@ class Stats:
         secs = sum(i["elapsed"] for i in steady)
         mfus = [i["mfu"] for i in steady if i["mfu"] is not None]
         waits = [w for i in steady for w in i["data_wait_ms"]]  # [p50, p99] per rank per interval
+        retro = {}
+        if self.valid_random:
+            retro = {"final_val_loss_random": self.valid_random[-1][1],
+                     "retrieval_gain": self.valid_random[-1][1] - self.valid[-1][1]}  # fmt: skip
         return {
             "steps": last - start,
             "first_step": start + 1,
@@ -644,6 +722,7 @@ class Stats:
             "final_loss": self.intervals[-1]["loss"] if self.intervals else None,
             "final_val_loss": self.valid[-1][1] if self.valid else None,
             "best_val_loss": min(v for _, v in self.valid) if self.valid else None,
+            **retro,
             "data_wait_ms_p50_max": round(max((w[0] for w in waits), default=0.0), 3),
             "data_wait_ms_p99_max": round(max((w[1] for w in waits), default=0.0), 3),
             "data_wait_fraction": round(sum(i["data_wait_s_total"] for i in steady) / secs, 4) if secs else None,
