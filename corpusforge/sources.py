@@ -173,7 +173,7 @@ class Task:
 
 def plan_tasks(files: Sequence[Path], task_bytes: int = 64 << 20, taper: int = 0) -> list[Task]:
     """Cut the inputs into tasks of about `task_bytes` each (see the module docstring for the rules); with `taper`,
-    the last `taper` tasks of plain JSON lines are cut in halves, and the very last in quarters."""
+    the last `taper` tasks of plain JSON lines are cut into pieces that shrink towards the end (see _tapered)."""
     slices: list[tuple] = []
     for path in files:
         fmt = input_format(path)
@@ -193,16 +193,36 @@ TAPER_MIN_BYTES = 2 << 20  # smaller tasks are not cut further: each task costs 
 
 
 def _tapered(slices: list[tuple], taper: int) -> list[tuple]:
-    """Cut the last `taper` JSON-lines slices in halves (the last in quarters), at line ends."""
-    out: list[tuple] = []
-    for n, (path, fmt, a, b, first, size) in enumerate(reversed(slices)):
-        if n >= taper or fmt != "jsonl" or size < TAPER_MIN_BYTES:
+    """Cut the last `taper` JSON-lines slices into pieces that shrink towards the end (at line ends).
+
+    Each piece is a 1/(2 * taper) share of the tail still left after it (guided self-scheduling), so the work a
+    worker may still hold when the others run out shrinks geometrically: on a machine where another job shares a
+    core, the worker on that core runs at half speed, and a big last task there kept the whole run waiting.
+    """
+    if taper <= 0:
+        return slices
+    tail: list[tuple] = []
+    for path, fmt, a, b, first, size in slices[-taper:]:  # one range where slices of a file follow each other
+        if tail and fmt == "jsonl" and tail[-1][1] == fmt and tail[-1][0] == path and tail[-1][3] == a:
+            tail[-1] = (path, fmt, tail[-1][2], b, first, b - tail[-1][2])
+        else:
+            tail.append((path, fmt, a, b, first, size))
+    left = sum(size for _, fmt, _, _, _, size in tail if fmt == "jsonl")
+    out = slices[: len(slices) - min(taper, len(slices))]
+    for path, fmt, a, b, first, size in tail:
+        if fmt != "jsonl" or size < TAPER_MIN_BYTES:
             out.append((path, fmt, a, b, first, size))
+            left -= size if fmt == "jsonl" else 0
             continue
-        pieces = 4 if n == 0 else 2
-        cuts = _line_aligned_ranges(path, -(-size // pieces), a, b)
-        out.extend((path, fmt, x, y, first, y - x) for x, y in reversed(cuts))
-    return out[::-1]
+        with open(path, "rb") as f:
+            while a < b:
+                f.seek(a + max(TAPER_MIN_BYTES, left // (2 * taper)))
+                f.readline()  # finish the line the cut fell into
+                end = b if f.tell() >= b - TAPER_MIN_BYTES // 2 else f.tell()  # no crumb of a piece at the end
+                out.append((path, fmt, a, end, first, end - a))
+                left -= end - a
+                a = end
+    return out
 
 
 def _line_aligned_ranges(path: Path, task_bytes: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
@@ -418,7 +438,19 @@ def _mapped_blocks(task: Task) -> Iterator[tuple[memoryview, int]]:
             cut = mm.find(b"\n", end, task.stop)
         end = task.stop if cut < 0 else cut + 1
         yield view[pos:end], end - pos
+        # The block is consumed (its texts were copied out): unmap its pages from this process. They stay in the
+        # page cache, but no longer count in the worker's RSS, which otherwise grew by the whole task (64 MB).
+        _release(mm, pos, end)
         pos = end
+
+
+def _release(mm: mmap.mmap, start: int, end: int) -> None:
+    """MADV_DONTNEED on the whole pages of [start, end) of a read-only file mapping: a later read of them
+    faults them back in from the page cache, so this can never lose data."""
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _stream_blocks(task: Task) -> Iterator[tuple[bytes, int]]:

@@ -102,6 +102,29 @@ def test_tapered_tasks_get_smaller_at_the_end_and_cover_the_file(tmp_path, monke
     assert texts == DOCS
 
 
+@pytest.mark.parametrize("files", [1, 3])
+@pytest.mark.parametrize("taper", [1, 2, 4])
+def test_tapered_tail_shrinks_geometrically_to_the_floor(tmp_path, monkeypatch, taper, files):
+    """The work left when the other workers run out is at most one floor-sized piece, whatever the task size: a
+    worker sharing its core with another job then holds the run up by a crumb, not by half a big task."""
+    floor = 600
+    monkeypatch.setattr(sources, "TAPER_MIN_BYTES", floor)
+    paths = [write_jsonl(tmp_path / f"{i}.jsonl", DOCS[i::files]) for i in range(files)]
+    tasks = plan_tasks(paths, task_bytes=8000, taper=taper)
+    plain = plan_tasks(paths, task_bytes=8000)
+    tail = [t for t in tasks if (t.path, t.start) >= (plain[-taper].path, plain[-taper].start)]
+    assert tasks[: len(tasks) - len(tail)] == plain[: len(plain) - taper]  # only the tail is cut
+    sizes = [t.size for t in tail if t.path == tail[-1].path]  # the last file's pieces
+    assert all(b <= a + 200 for a, b in zip(sizes, sizes[1:]))  # shrinking (a line is ~60-200 bytes)
+    assert sizes[-1] < 2 * floor + 200 and len(tail) > taper
+    for path in paths:  # still whole lines, covering every file exactly
+        mine = [t for t in tasks if t.path == str(path)]
+        assert mine[0].start == 0 and mine[-1].stop == path.stat().st_size
+        assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+    texts = [t for task in tasks for batch in read_task(task, ("text",)) for t in text_list(batch.texts[0])]
+    assert texts == [d for i in range(files) for d in DOCS[i::files]]
+
+
 BAD_LINES = [
     (b'{"text": "ok"', "malformed_json", "malformed JSON"),
     (b'{"text": "caf\xe9"}', "invalid_utf8", "invalid UTF-8"),
@@ -271,3 +294,25 @@ def test_a_damaged_parquet_page_is_one_clear_error(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(InputError, match=rf"^{path}: a damaged parquet file \(pyarrow: .*\); re-download"):
         _read_file(path, "skip")
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssFile from /proc")
+def test_reading_a_task_keeps_only_the_current_block_mapped(tmp_path, monkeypatch):
+    """A worker's RSS must not grow with its task: each consumed block's pages are unmapped (they stay cached)."""
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 1 << 20)
+    doc = "x" * 2000
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"".join(json.dumps({"text": f"{i} {doc}"}).encode() + b"\n" for i in range(12_000)))  # 24 MB
+    path.read_bytes()  # in the page cache, so mapping it costs no I/O
+    (task,) = plan_tasks([path], task_bytes=64 << 20)
+    before, peak, count = _rss_file_kb(), 0, 0
+    for batch in read_task(task, ("text",)):
+        count += len(batch.texts[0])
+        peak = max(peak, _rss_file_kb() - before)
+    assert count == 12_000
+    assert peak < 12 << 10, f"RssFile grew by {peak} KB reading a 24 MB task in 1 MB blocks"  # 23 MB before
