@@ -127,8 +127,9 @@ def test_a_kill_at_every_point_of_the_commit_resumes_to_identical_output(tmp_pat
     shutil.copytree(before, probe)
     changes = run_killed_at(config(new_src, probe / "o", keys, task_bytes), 10**6)
     # per key: unlink .idx, .bin, .idx; + commit record, old summary unlinked, new one written, parts renamed away
-    # and removed (+ the concatenation's own two renames per key, in the parts directory, with several tasks)
-    assert changes == 3 * len(keys) + 5 + (2 * len(keys) if task_bytes else 0)
+    # and removed (+ the concatenation's own publish_pair per key, in the parts directory, with several tasks: an
+    # unlink of an old .idx and two renames)
+    assert changes == 3 * len(keys) + 5 + (3 * len(keys) if task_bytes else 0)
     assert leftovers(probe) == [] and {name: pair(probe / name) for name in finals} == new
 
     for n in range(1, changes + 1):
