@@ -263,6 +263,31 @@ def test_parts_placed_by_other_processes_give_the_same_bytes(tmp_path, parts_and
     assert ((tmp_path / "placed.bin").read_bytes(), (tmp_path / "placed.idx").read_bytes()) == expected
 
 
+def test_concatenating_holds_one_part_of_the_index_not_the_whole(tmp_path):
+    """The index of a concatenation is built in temporary files: the memory it takes does not grow with the number
+    of documents (40 bytes a document before: 0.9 GB for a 22M-document dataset), and the bytes are the same."""
+    import tracemalloc
+
+    part = tmp_path / "part_text_document"
+    with IndexedDatasetWriter(part, np.uint16) as w:  # 50,000 one-token documents
+        w.add_documents(np.arange(50_000, dtype=np.uint16), np.ones(50_000, dtype=np.int64))
+    copies = 40  # 2M documents: 80 MB of index arrays if held
+    tracemalloc.start()
+    cat = indexed.DatasetConcatenator(tmp_path / "all_text_document", np.uint16, streams=0)
+    for _ in range(copies):
+        indexed.place(cat.add(part), cat.bin_tmp)
+    cat.finalize(durable=False)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 12 << 20, f"{peak / 2**20:.0f} MB traced while concatenating {copies} x 50,000 documents"
+    reference = tmp_path / "reference_text_document"
+    with IndexedDatasetWriter(reference, np.uint16) as w:
+        for _ in range(copies):
+            w.add_dataset(part)
+    assert indexed.idx_path(tmp_path / "all_text_document").read_bytes() == indexed.idx_path(reference).read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_placement_refuses_a_bin_shorter_than_its_index(tmp_path):
     parts = many_parts(tmp_path, sizes=(50, 60))
     cat = indexed.DatasetConcatenator(tmp_path / "out", np.int32, streams=0)
