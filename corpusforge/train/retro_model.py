@@ -35,7 +35,7 @@ N = B*L*K neighbours in a batch, nh heads, hs = head size, V padded vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -313,20 +313,17 @@ class RetroBlock(Block):
         return x + self.mlp(self.ln_2(x))
 
 
-@dataclass
 class Retrieval:
     """A batch's neighbours on their way through the decoder: embedded once, encoded at the first RETRO layer with
-    that layer's chunk activations, then reused."""
+    that layer's chunk activations, then reused. A plain object, not a dataclass: FSDP2 rebuilds dataclass
+    arguments of a sharded block's forward (to cast their tensors), which would drop the cache of the encoding."""
 
-    encoder: Encoder
-    emb: torch.Tensor  # (B*L, K*R, C)
-    mask: torch.Tensor  # (B*L, K*R) bool, True for real tokens
-    chunk_length: int
-    encoded: torch.Tensor | None = None
-    key_mask: torch.Tensor = field(init=False)
-    any_key: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
+    def __init__(self, encoder: Encoder, emb: torch.Tensor, mask: torch.Tensor, chunk_length: int) -> None:
+        self.encoder = encoder
+        self.emb = emb  # (B*L, K*R, C)
+        self.mask = mask  # (B*L, K*R) bool, True for real tokens
+        self.chunk_length = chunk_length
+        self.encoded: torch.Tensor | None = None
         self.any_key = self.mask.any(-1)  # (B*L,): chunks with at least one real neighbour token
         # A chunk without neighbours attends to all of its (pad) keys to keep its softmax finite; its output is
         # multiplied by any_key = 0 (ChunkedCrossAttention), so none of those keys reaches a logit.
