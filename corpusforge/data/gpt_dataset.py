@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge._jit import njit
+from corpusforge._jit import njit, ready
 from corpusforge.data.batch import (
     RawBatch,
     assemble,
@@ -232,8 +232,10 @@ def build_document_index(
     """
     n = len(documents)
     index = np.empty(n * num_epochs, dtype=np.int32)
-    if isinstance(documents, range) and documents.step == 1:
+    if isinstance(documents, range) and documents.step == 1 and (n >= _COMPILED_FROM or ready(_count_from)):
         _count_from(index[:n], documents.start)
+    elif isinstance(documents, range):
+        index[:n] = np.arange(documents.start, documents.stop, documents.step, dtype=np.int32)
     else:
         index[:n] = np.asarray(documents, dtype=np.int32)
     for epoch in range(1, num_epochs):
@@ -279,8 +281,42 @@ def build_sample_index(
     dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64  # helpers.py: build_sample_idx
     out = np.empty((num_samples + 1, 2), dtype=dtype)  # every row is written: no zeroing pass over fresh pages
     lengths, documents = np.ascontiguousarray(sequence_lengths), np.ascontiguousarray(document_index)
-    _sample_starts(lengths, documents, seq_length, num_samples, extra, out)
+    if num_samples + len(documents) >= _COMPILED_FROM or ready(_sample_starts):
+        _sample_starts(lengths, documents, seq_length, num_samples, extra, out)
+    else:
+        _sample_starts_numpy(lengths, documents, seq_length, num_samples, extra, out)
     return out
+
+
+# The index builders call their compiled kernels for inputs of this many entries and more, or where the kernel is
+# loaded in this process already; below, numpy (a few ms at 1e5 entries) rather than numba's start-up (~1 s for
+# the first kernel of a process: corpusforge/_jit.py).
+_COMPILED_FROM = 1 << 22
+
+
+def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
+    """_sample_starts in numpy, the same rows, without loading a kernel: document k of the first n - 1 holds the
+    starts j * seq_length (j >= 1) below its stream end (at or below without the extra token) that no earlier one
+    holds, so a count per document and one np.repeat place every start (no binary search)."""
+    n = len(document_index)
+    out[0] = 0
+    if n == 0:
+        out[:] = 0
+        return
+    lengths = sequence_lengths[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    covered = np.clip((ends[: n - 1] - extra) // seq_length, 0, num_samples)  # starts below each document's end
+    position = np.repeat(np.arange(n - 1, dtype=np.int64), np.diff(covered, prepend=0))
+    inside = len(position)
+    starts = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
+    rows = out[1:]
+    rows[:inside, 0] = position
+    rows[:inside, 1] = starts[:inside] - (ends[position] - lengths[position])
+    # The rest are clamped to the last document; a sample running past its end ends at (last, length - extra).
+    end = ends[n - 2] if n > 1 else 0
+    last, tail = lengths[n - 1], starts[inside:]
+    rows[inside:, 0] = n - 1
+    rows[inside:, 1] = np.where(tail + extra > end + last, last - extra, tail - end)
 
 
 # Documents whose lengths _sample_starts gathers at a time (32 KiB of int64: stays in L1/L2).
@@ -392,10 +428,21 @@ def build_indices(
     total = count_samples(num_epochs * tokens_per_epoch, seq_length, extra, drop_last_partial)
     # The sample index needs the document index but not the generator, and the shuffle index the generator but
     # not the sample index: both kernels release the GIL, so they run side by side on two cores.
-    sample_index = _helper().submit(build_sample_index, sequence_lengths, document_index, seq_length, total, extra)
     head = before_final if separate_final_epoch else total
+    if total < _PARALLEL_ABOVE:  # a hand-off to the helper thread costs more than building it here
+        sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total, extra)
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": build_shuffle_index(head, total, rng),
+        }
+    pending = _helper().submit(build_sample_index, sequence_lengths, document_index, seq_length, total, extra)
     shuffle_index = build_shuffle_index(head, total, rng)
-    return {"document_index": document_index, "sample_index": sample_index.result(), "shuffle_index": shuffle_index}
+    return {"document_index": document_index, "sample_index": pending.result(), "shuffle_index": shuffle_index}
+
+
+# build_indices builds the sample index on a second thread for more samples than this (~100 us of work each side).
+_PARALLEL_ABOVE = 1 << 16
 
 
 _HELPER: tuple[int, ThreadPoolExecutor] | None = None
@@ -560,6 +607,10 @@ def prefetch_upcoming(dataset: Any, ids: Any) -> None:
         dataset.prefetch([*ids, *upcoming])
 
 
+# The kernel signatures GPTDataset.load_kernels has compiled (or loaded) in this process.
+_COMPILED: set[tuple] = set()
+
+
 def _from_numpy(array: np.ndarray) -> Any:
     from corpusforge.data.batch import _torch
 
@@ -632,14 +683,30 @@ class GPTDataset:
         self.shuffle_index = arrays["shuffle_index"]
         if self.sample_index.ndim != 2 or len(self.shuffle_index) != len(self.sample_index) - 1:
             raise ValueError(f"{indexed.prefix}: cached {split} indices are inconsistent; delete the cache entry")
-        self._compile()
 
-    def _compile(self) -> None:
+    def load_kernels(self) -> None:
         """Compile (or load from numba's cache) the sample gather for these array types now, so that forked
-        DataLoader workers inherit it instead of each paying for it on their first batch."""
+        DataLoader workers inherit it instead of each paying for it on their first batch (the loader calls this
+        before it starts workers; building the indices does not, so that a job's start does not wait for numba).
+        Once per process and kernel signature: a blend holds thousands of datasets of the same types.
+
+        Example:
+            >>> ds.load_kernels()
+        """
+        load = getattr(self.indexed, "load_kernels", None)
+        if load is not None:
+            load()
+        indexed, direct = self.indexed, self._direct_args() is not None
+        arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
+        key = (type(indexed), getattr(indexed, "read_mode", None), direct, indexed.dtype.str, self.config)
+        key += tuple((a.dtype.str, a.ndim, a.flags.writeable, a.flags.c_contiguous) for a in arrays)
+        key += ((indexed.sequence_pointers.dtype.str, indexed.sequence_pointers.flags.writeable),)
+        if key in _COMPILED:
+            return
         assemble(self.read_raw(np.zeros(0, np.int64)), self.config)
-        if self._direct_args() is not None:
+        if direct:
             self._read_fields(np.zeros(0, np.int64), np.empty((4, 0, self.config.seq_length), np.int32))
+        _COMPILED.add(key)
 
     def _direct_args(self) -> tuple | None:
         """The arguments of _gather_fields for this dataset, kept after the first call; None where samples are not

@@ -257,6 +257,9 @@ class Loader:
 
         workers = {}
         if self.num_workers > 0:
+            load = getattr(self.dataset, "load_kernels", None)
+            if load is not None:  # compiled (or loaded) once here, not once per forked worker
+                load()
             workers = {
                 "prefetch_factor": self.prefetch_factor,
                 "persistent_workers": self.persistent_workers,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from corpusforge._jit import njit
+from corpusforge._jit import njit, ready
 
 # MT19937 constants (mt19937.c): state words, the shift of the recurrence, the twist matrix, the tempering masks.
 _N, _M = 624, 397
@@ -36,6 +36,14 @@ _TEMPER_B, _TEMPER_C = 0x9D2C5680, 0xEFC60000
 # random_interval switches to 64-bit draws above this bound; those are left to numpy (4e9 entries: 8.8e12 tokens
 # at seq_length 2048 for a shuffle index), which is then the reference by definition.
 _MAX_32BIT_BOUND = 0xFFFFFFFF
+
+# Arrays up to this length are shuffled by numpy itself: reading and writing the generator's state costs ~100 us,
+# numpy ~10-20 ns per element (a blend of thousands of small datasets shuffles thousands of small arrays).
+_NUMPY_BELOW = 1 << 13
+
+# Longer arrays too, as long as the compiled shuffle is not loaded in this process (see corpusforge/_jit.py: loading
+# the first kernel costs ~1 s, what numpy takes for ~5e7 entries) and the array is shorter than this (numpy: ~0.3 s).
+_COMPILED_FROM = 1 << 24
 
 # Draws taken before their swaps are done: 64 KiB of uint32.
 _CHUNK = 1 << 14
@@ -51,6 +59,9 @@ def shuffle(rng: np.random.RandomState, array: np.ndarray) -> None:
         >>> rng = np.random.RandomState(1234); x = np.arange(5, dtype=np.int32); shuffle(rng, x); x.tolist()
         [4, 0, 1, 2, 3]
     """
+    if len(array) <= _NUMPY_BELOW or (len(array) < _COMPILED_FROM and not ready(_shuffle)):
+        rng.shuffle(array)
+        return
     state = rng.get_state(legacy=False)
     plain = isinstance(array, np.ndarray) and array.ndim == 1 and array.flags.c_contiguous and array.flags.writeable
     if state["bit_generator"] != "MT19937" or not plain or len(array) - 1 > _MAX_32BIT_BOUND or array.dtype.hasobject:

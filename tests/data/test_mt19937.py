@@ -5,11 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from corpusforge.data import mt19937
 from corpusforge.data.mt19937 import _CHUNK, shuffle
 
 # Sizes around the edges of the algorithm: nothing to draw (0, 1), the mask shrinking at powers of two, the
 # chunk of draws taken before their swaps, and a generator block (624 words) used up mid-shuffle.
 SIZES = [0, 1, 2, 3, 4, 5, 8, 9, 623, 624, 625, 1000, _CHUNK, _CHUNK + 1, _CHUNK + 2, 3 * _CHUNK + 7, 100_003]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "as_shipped"])
+def _path(request, monkeypatch):
+    """Every test on the compiled shuffle for every size, and as shipped (numpy itself for small arrays)."""
+    if request.param == "compiled":
+        monkeypatch.setattr(mt19937, "_NUMPY_BELOW", 1)
+        monkeypatch.setattr(mt19937, "_COMPILED_FROM", 0)
 
 
 @pytest.mark.parametrize("seed", [0, 1234, 2**32 - 1])

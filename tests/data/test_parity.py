@@ -172,9 +172,22 @@ def test_larger_dataset_default_split(tmp_path):
 # the index builders against megatron-core's compiled helpers, on many random inputs
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def index_kernels(request, monkeypatch):
+    """The index builders both ways: their numba kernels, and the numpy code used before a kernel is loaded."""
+    from corpusforge.data import gpt_dataset
+
+    if request.param == "compiled":
+        monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 0)
+    else:
+        monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 1 << 62)
+        monkeypatch.setattr(gpt_dataset, "ready", lambda kernel: False)
+    return request.param
+
+
 @pytest.mark.parametrize("extra", [1, 0])
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_sample_index_equals_helpers_cpp(extra, drop_last):
+def test_sample_index_equals_helpers_cpp(extra, drop_last, index_kernels):
     from megatron.core.datasets import helpers_cpp
 
     from corpusforge.data.gpt_dataset import build_sample_index, count_samples
@@ -198,7 +211,7 @@ def test_sample_index_equals_helpers_cpp(extra, drop_last):
         assert ours.dtype == ref.dtype
 
 
-def test_sample_index_over_many_documents_equals_helpers_cpp():
+def test_sample_index_over_many_documents_equals_helpers_cpp(index_kernels):
     """Enough documents for several of the blocks whose lengths the walk gathers at a time, and documents both
     shorter and longer than a sample."""
     from megatron.core.datasets import helpers_cpp
@@ -239,6 +252,40 @@ def test_blending_indices_equal_helpers_cpp():
         helpers_cpp.build_exhaustive_blending_indices(ref_d, ref_s, sizes, k)
         ours_d, ours_s = build_exhaustive_blending_indices(sizes.tolist())
         np.testing.assert_array_equal(ours_d, ref_d)
+        np.testing.assert_array_equal(ours_s, ref_s)
+
+
+WEIGHT_CLASSES = {
+    "random": lambda rng, k: rng.uniform(0.1, 1.0, k),
+    "equal": lambda rng, k: np.ones(k),  # every comparison a tie broken by the counts, then the index
+    "equal_but_one_ulp": lambda rng, k: 1.0 + rng.integers(0, 3, k) * 2.0**-52,  # errors that nearly never cross
+    "few_distinct": lambda rng, k: rng.integers(1, 4, k).astype(float),
+    "spread_over_decades": lambda rng, k: np.exp(rng.uniform(-9, 0, k)),
+}
+
+
+@pytest.mark.parametrize("weights", list(WEIGHT_CLASSES))
+def test_blending_tournament_equals_helpers_cpp_scan(weights):
+    """The kinetic tournament against helpers.cpp's scan over every dataset at every step, for the kinds of
+    weights where a certificate could go wrong: ties, near-ties, crossings at every scale, a dataset leaving."""
+    from megatron.core.datasets import helpers_cpp
+
+    from corpusforge.data.blended import build_blending_indices, build_exhaustive_blending_indices, normalize
+
+    rng = np.random.default_rng(len(weights))
+    for k in (1, 2, 3, 5, 17, 64, 300):
+        w = normalize(WEIGHT_CLASSES[weights](rng, k))
+        size = int(rng.integers(1, 30_000))
+        ref_d, ref_s = np.zeros(size, np.int16), np.zeros(size, np.int64)
+        helpers_cpp.build_blending_indices(ref_d, ref_s, np.array(w), k, size, False)
+        ours_d, ours_s = build_blending_indices(w, size)
+        np.testing.assert_array_equal(ours_d, ref_d, err_msg=f"{k} datasets, {size} samples")
+        np.testing.assert_array_equal(ours_s, ref_s)
+        sizes = np.maximum(1, np.round(np.array(w) * rng.integers(k, 20 * k))).astype(np.int64)
+        ref_d, ref_s = np.zeros(sizes.sum(), np.int16), np.zeros(sizes.sum(), np.int64)
+        helpers_cpp.build_exhaustive_blending_indices(ref_d, ref_s, sizes, k)
+        ours_d, ours_s = build_exhaustive_blending_indices(sizes.tolist())
+        np.testing.assert_array_equal(ours_d, ref_d, err_msg=f"exhaustive, sizes {sizes.tolist()[:8]}...")
         np.testing.assert_array_equal(ours_s, ref_s)
 
 
