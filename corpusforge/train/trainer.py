@@ -324,11 +324,20 @@ def shard_retro_encoder(model: RetroModel, cfg: TrainConfig, layout: par.Layout,
 
 
 def check_retro_layout(cfg: TrainConfig, layout: par.Layout) -> None:
-    """RETRO runs data-parallel only (DDP, FSDP2, HSDP): one line for tensor or pipeline parallelism."""
-    if cfg.family == "retro" and (layout.tp > 1 or layout.pp > 1):
+    """RETRO runs data-parallel only (DDP, FSDP2, HSDP) without activation checkpointing: one line otherwise."""
+    if cfg.family != "retro":
+        return
+    if layout.tp > 1 or layout.pp > 1:
         raise ConfigError(
             f"parallel: tp = {layout.tp}, pp = {layout.pp}: a RETRO model trains with data parallelism only (DDP, "
             f"FSDP2) for now (Megatron's RETRO had no pipeline either); set parallel.tp=1 and parallel.pp=1"
+        )
+    if cfg.parallel.activation_checkpoint != "none":
+        # the first RETRO layer encodes the neighbours once for all later ones; a recomputed block would reuse that
+        # encoding instead of recomputing it, which torch.utils.checkpoint refuses
+        raise ConfigError(
+            f'parallel.activation_checkpoint = "{cfg.parallel.activation_checkpoint}": not supported for RETRO '
+            f'models yet; set parallel.activation_checkpoint="none"'
         )
 
 

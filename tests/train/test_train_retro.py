@@ -197,8 +197,17 @@ def test_a_database_that_does_not_fit_the_config_is_refused_in_one_line(corpus, 
     assert not (out / "checkpoints").exists()  # refused before the first step
 
 
-@pytest.mark.parametrize("parallel", ["parallel.tp=2", "parallel.pp=2"])
-def test_tensor_and_pipeline_parallel_are_refused_in_one_line(db, tmp_path, parallel):
-    cfg = load_config(CONFIG, [*overrides(db, tmp_path), parallel, "parallel.dp_replicate=1"])
-    with pytest.raises(CorpusforgeError, match="data parallelism only"):
+@pytest.mark.parametrize(
+    "parallel, words",
+    [
+        (["parallel.tp=2", "parallel.dp_replicate=1"], "data parallelism only"),
+        (["parallel.pp=2", "parallel.dp_replicate=1"], "data parallelism only"),
+        (['parallel.activation_checkpoint="full"'], "not supported for RETRO"),
+        (['parallel.activation_checkpoint="selective"'], "not supported for RETRO"),
+    ],
+)
+def test_layouts_retro_does_not_run_are_refused_in_one_line(db, tmp_path, parallel, words):
+    cfg = load_config(CONFIG, [*overrides(db, tmp_path), *parallel])
+    with pytest.raises(CorpusforgeError, match=words) as e:
         train(cfg, dry_run=True, world_size=2, log=lambda line: None)
+    assert "\n" not in str(e.value)
