@@ -824,7 +824,8 @@ class _SpilledIndex:
         import tempfile
 
         self.dtype = dtype
-        self._files = [tempfile.TemporaryFile(dir=directory) for _ in range(3)]  # lengths, pointers, starts
+        # lengths, pointers, starts; unbuffered: a full disk fails the append, never a later flush (in discard())
+        self._files = [tempfile.TemporaryFile(dir=directory, buffering=0) for _ in range(3)]
         self.sequences = self.documents = 0
         self._offset = 0  # bytes of tokens before the next sequence
 
@@ -834,7 +835,9 @@ class _SpilledIndex:
         pointers = sequence_pointers(lengths, self.dtype.itemsize) + self._offset
         self._offset += int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         for f, array in zip(self._files, (lengths, pointers, np.ascontiguousarray(doc_starts, dtype=np.int64))):
-            f.write(memoryview(array))
+            view = memoryview(array).cast("B")
+            while view:
+                view = view[f.write(view) :]
         self.sequences += len(lengths)
         self.documents += len(doc_starts)
 
@@ -842,7 +845,6 @@ class _SpilledIndex:
         with open(path, "wb", buffering=0) as out:  # unbuffered: the header lands before the in-kernel copies
             out.write(MAGIC + struct.pack("<QBQQ", VERSION, dtype_code(self.dtype), self.sequences, self.documents + 1))
             for f in self._files:
-                f.flush()
                 _copy_file(f, out, f.tell())  # in the kernel where it can: no pass through this process's memory
             out.write(struct.pack("<q", self.sequences))  # the document index ends with the sequence count
             if durable:
@@ -877,10 +879,15 @@ class DatasetConcatenator:
         dtype_code(self.dtype)
         self.bin_tmp = Path(f"{bin_path(prefix)}.tmp")
         self._idx_tmp = Path(f"{idx_path(prefix)}.tmp")
-        self._fd = os.open(self.bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        # First the index's anonymous files: if the disk is full they fail before anything has a name to remove.
+        self._index = _SpilledIndex(self.bin_tmp.parent, self.dtype)
+        try:
+            self._fd = os.open(self.bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        except BaseException:
+            self._index.close()
+            raise
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="corpusforge-place") if streams else None
         self._copies: list[Future] = []
-        self._index = _SpilledIndex(self.bin_tmp.parent, self.dtype)
         self.num_sequences = self.num_documents = self.nbytes = 0
         self.closed = False
 

@@ -636,7 +636,27 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
     # process tokenizes its next task (an fsync here left the core idle for a sixth of the run). The thread
     # outlives the task: local pools join it when their workers exit; Ray workers may not (see _remove_parts).
     _syncer().submit(_sync_and_mark, [w.prefix for w in writers], Path(f"{prefix}.done.json"), stats)
+    _return_freed_memory()
     return stats
+
+
+_malloc_trim: Callable[[int], int] | bool | None = None
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system after a task. glibc keeps freed memory for reuse, and the
+    blocks' buffers (4 MB of text, their tokens) come in changing sizes, so a worker's RSS kept growing with the
+    tasks it ran: by 64 MB over a 400 MB input, and 8% more PSS at 10 GB than at 1 GB. One malloc_trim per task."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
 _sync_pool: ThreadPoolExecutor | None = None
