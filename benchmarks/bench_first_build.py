@@ -1,13 +1,16 @@
 """The index build as a training job meets it: in a fresh process, corpusforge against megatron-core.
 
-    python benchmarks/bench_first_build.py [--rounds 3] [--out benchmarks/results/loader-first-build-<date>.json]
+    python benchmarks/bench_first_build.py [--tokens 1e8] [--docs 48000] [--rounds 5] [--builds 6]
+                                           [--out benchmarks/results/loader-first-build-<date>.json]
 
-bench_loader.py times the build once each side has warmed up in its process (repeated rounds); a job builds once,
-in a new process. Here each round starts a new interpreter per side, alternating, on bench_loader's dataset (1e9
-tokens, 1e6 documents: run bench_loader.py once first) and measures: importing the side's dataset modules
-(megatron-core: its GPTDataset and builder, torch with them; corpusforge: corpusforge.data), the first build of
-train/valid/test into an empty cache directory (until the cache files are written), and a second build in the same
-process (bench_loader's steady state). Medians of the rounds; prints a table and writes JSON.
+Each round starts a new interpreter per side, alternating which goes first, on bench_loader's generated dataset
+(written under benchmarks/work/loader/ if missing; the .bin read into the page cache first) and measures: importing
+the side's dataset modules (megatron-core: its GPTDataset and builder, torch with them; corpusforge:
+corpusforge.data), the first build of train/valid/test (split 969,30,1, one epoch of train samples of 2048 tokens)
+into an empty cache directory until the cache files are written (megatron-core: np.save, no fsync; corpusforge:
+wait_for_index_files), then --builds - 1 more builds in the same process (their median: the warm process), and the
+first sample read after them (ds[0]: torch tensors; corpusforge imports torch and loads its sample kernel there).
+Medians of the rounds, with the load average before each child; prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,10 +28,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TOKENS, DOCS, SEQ = int(1e9), int(1e6), 2048
+SEQ = 2048
 
 
-def child(side: str) -> dict:
+def child(side: str, tokens: int, docs: int, builds: int) -> dict:
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     if side == "megatron":
         import torch.distributed
@@ -41,44 +46,68 @@ def child(side: str) -> dict:
     sys.path.insert(0, str(HERE))
     import bench_loader as bench  # the same build calls as bench_loader (its imports are done by now or untimed)
 
-    prefix = str(HERE / "work" / "loader" / f"gen_{TOKENS:.0e}tok_{DOCS:.0e}doc_text_document".replace("+", ""))
-    train = TOKENS * 969 // 1000
-    sizes = [train // SEQ - 1, TOKENS * 30 // 1000 // SEQ - 1, max(1, TOKENS // 1000 // SEQ - 1)]
+    prefix = str(dataset_prefix(tokens, docs))
+    train = tokens * 969 // 1000
+    sizes = [train // SEQ - 1, tokens * 30 // 1000 // SEQ - 1, max(1, tokens // 1000 // SEQ - 1)]
     seconds = []
-    for _ in range(2):
+    for _ in range(builds):
         cache = Path(tempfile.mkdtemp(prefix="first-build-"))
         t0 = time.perf_counter()
         if side == "megatron":
-            bench.megatron_build(prefix, SEQ, sizes, cache)
+            train_ds = bench.megatron_build(prefix, SEQ, sizes, cache)[0]
         else:
             from corpusforge.data.cache import wait_for_index_caches, wait_for_index_files
 
-            bench.ours_build(prefix, SEQ, sizes, cache=cache)
+            train_ds = bench.ours_build(prefix, SEQ, sizes, cache=cache)[0]
             wait_for_index_files()  # as megatron-core leaves its caches: np.save, no fsync
         seconds.append(time.perf_counter() - t0)
         if side != "megatron":
-            wait_for_index_caches()
+            wait_for_index_caches()  # its fsyncs (megatron-core does none), outside the timings
         shutil.rmtree(cache)
-    return {"import_s": imported, "first_build_s": seconds[0], "second_build_s": seconds[1]}
+    t0 = time.perf_counter()
+    train_ds[0]
+    first_sample = time.perf_counter() - t0
+    return {
+        "import_s": imported,
+        "first_build_s": seconds[0],
+        "warm_build_s": statistics.median(seconds[1:]),
+        "first_sample_s": first_sample,
+        "load_before": load,
+    }
+
+
+def dataset_prefix(tokens: int, docs: int) -> Path:
+    return HERE / "work" / "loader" / f"gen_{tokens:.0e}tok_{docs}doc_text_document".replace("+", "")
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(sys.argv[2])))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], *map(int, sys.argv[3:]))))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=float, default=1e8)
+    ap.add_argument("--docs", type=int, default=48000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--builds", type=int, default=6, help="builds per process: the first, then the warm ones")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from bench_preprocess import machine_info
+    import bench_loader as bench
+
+    tokens = int(args.tokens)
+    prefix = dataset_prefix(tokens, args.docs)
+    bench.make_dataset(prefix, tokens, args.docs)
+    bench.warm(f"{prefix}.bin")
+    child_args = [str(tokens), str(args.docs), str(args.builds)]
 
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     out = args.out or HERE / "results" / f"loader-first-build-{date}.json"
     runs: dict[str, list[dict]] = {"megatron": [], "corpusforge": []}
     for r in range(args.rounds):
         for side in ("megatron", "corpusforge") if r % 2 == 0 else ("corpusforge", "megatron"):
-            proc = subprocess.run([sys.executable, __file__, "--child", side], capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", side, *child_args], capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
             runs[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -89,19 +118,26 @@ def main() -> None:
     }  # fmt: skip
     for m in medians.values():
         m["import_and_first_build_s"] = round(m["import_s"] + m["first_build_s"], 3)
+    ratios = {
+        k: round(medians["megatron"][k] / medians["corpusforge"][k], 2)
+        for k in ("first_build_s", "warm_build_s", "import_and_first_build_s", "first_sample_s")
+    }
     report = {
         "benchmark": "loader-first-build",
-        "machine": machine_info(None),
-        "dataset": {"tokens": TOKENS, "documents": DOCS, "seq_length": SEQ},
+        "machine": bench.machine_info(),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "dataset": {"tokens": tokens, "documents": args.docs, "seq_length": SEQ, "builds_per_process": args.builds},
         "medians": medians,
+        "ratios_megatron_over_corpusforge": ratios,
         "runs": runs,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
-    head = f"{'import s':>9s} {'1st build s':>12s} {'2nd build s':>12s} {'sum':>7s}"
+    head = f"{'import s':>9s} {'1st build ms':>13s} {'warm build ms':>14s} {'sum s':>7s} {'1st sample ms':>14s}"
     print(f"\n{'median of ' + str(args.rounds):16s} {head}")
     for side, m in medians.items():
-        row = f"{m['import_s']:9.3f} {m['first_build_s']:12.3f} {m['second_build_s']:12.3f}"
-        print(f"{side:16s} {row} {m['import_and_first_build_s']:7.3f}")
+        row = f"{m['import_s']:9.3f} {m['first_build_s'] * 1e3:13.1f} {m['warm_build_s'] * 1e3:14.1f}"
+        print(f"{side:16s} {row} {m['import_and_first_build_s']:7.3f} {m['first_sample_s'] * 1e3:14.1f}")
+    print("megatron-core / corpusforge:", json.dumps(ratios))
     print(f"\nwrote {out}")
 
 

@@ -172,10 +172,10 @@ def _refresh(winner, melt, weights, counts, step, margin, stack, due):
 
 @njit(nogil=True)
 def _fill_tournament(dataset_index, dataset_sample_index, weights, limits, size):  # pragma: no cover - compiled
-    """The indices of helpers.cpp's build_blending_indices (limits past size) or
-    build_exhaustive_blending_indices (limits = sizes): at each step
-    the dataset with the largest error, ties to the lowest, a dataset whose count reaches its limit leaving the
-    race. O(size * log D) comparisons, plus re-comparisons where two errors may cross, instead of O(size * D)."""
+    """The indices of helpers.cpp's build_blending_indices (limits past size) or build_exhaustive_blending_indices
+    (limits = sizes): at each step the dataset with the largest error, ties to the lowest, a dataset whose count
+    reaches its limit leaving the race. O(size * log D) comparisons, plus re-comparisons where two errors may cross
+    (~13 a step for 2,500 datasets of random weights), instead of O(size * D)."""
     d = len(weights)
     leaves = 2
     while leaves < d:

@@ -21,7 +21,7 @@ from typing import Any
 
 from corpusforge.data.blended import BlendedDataset, normalize, parse_blend, samples_per_dataset
 from corpusforge.data.cache import IndexCache
-from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, split_ranges
+from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_together, split_ranges
 from corpusforge.indexed import IndexedDataset
 from corpusforge.storage import LocalDataset, RemoteDataset, StorageConfig
 from corpusforge.storage import open_dataset as storage_open
@@ -53,16 +53,34 @@ def read_modes(dataset: Dataset) -> dict[str, str]:
 
 
 def _splits_of(
-    indexed: IndexedDataset, sizes: Sequence[int | None], config: GPTDatasetConfig, cache: IndexCache
+    indexed: IndexedDataset,
+    sizes: Sequence[int | None],
+    config: GPTDatasetConfig,
+    cache: IndexCache,
+    deferred: bool = False,
 ) -> list[GPTDataset | None]:
-    """The GPTDataset of each split of one token dataset (None where the split string gives it no weight)."""
+    """The GPTDataset of each split of one token dataset (None where the split string gives it no weight); with
+    deferred, without their indices yet (see _blend_parts)."""
     out: list[GPTDataset | None] = []
     for name, bounds, size in zip(SPLIT_NAMES, split_ranges(config.split, len(indexed)), sizes):
         if bounds is None:
             out.append(None)
             continue
-        out.append(GPTDataset(indexed, name, bounds, size, config, cache))
+        out.append(GPTDataset(indexed, name, bounds, size, config, cache, deferred=deferred))
     return out
+
+
+def _blend_parts(
+    indexed: list[IndexedDataset], sizes: list[list[int | None]], config: GPTDatasetConfig, cache: IndexCache
+) -> list[list[GPTDataset | None]]:
+    """[dataset][split] GPTDatasets of a blend (sizes[dataset][split]), the indices of each split's datasets
+    built and cached together: one cache entry per split, not one per dataset and split."""
+    per_prefix = [_splits_of(ds, sizes[d], config, cache, deferred=True) for d, ds in enumerate(indexed)]
+    for s, name in enumerate(SPLIT_NAMES):
+        parts = [p[s] for p in per_prefix if p[s] is not None]
+        if parts:
+            build_together(parts, cache, f"GPTDatasets-{name}")
+    return per_prefix
 
 
 def build_gpt_datasets(
@@ -120,7 +138,7 @@ def _weighted_blend(
     sized = [s or 0 for s in sizes]
     target = [samples_per_dataset(weights, n) for n in sized]  # [split][dataset]
     buffer = [samples_per_dataset(weights, n, config.mid_level_dataset_surplus) for n in sized]
-    per_prefix = [_splits_of(ds, [b[d] for b in buffer], config, cache) for d, ds in enumerate(indexed)]
+    per_prefix = _blend_parts(indexed, [[b[d] for b in buffer] for d in range(len(indexed))], config, cache)
     out: list[Dataset | None] = []
     for s in range(3):
         if ranges[s] is None:
@@ -134,7 +152,7 @@ def _weighted_blend(
 def _length_blend(
     indexed: list[IndexedDataset], sizes: list[int | None], config: GPTDatasetConfig, cache: IndexCache
 ) -> tuple[Dataset | None, ...]:
-    per_prefix = [_splits_of(ds, [None, None, None], config, cache) for ds in indexed]
+    per_prefix = _blend_parts(indexed, [[None, None, None]] * len(indexed), config, cache)
     out: list[Dataset | None] = []
     for s in range(3):
         parts = [per_prefix[d][s] for d in range(len(indexed))]
