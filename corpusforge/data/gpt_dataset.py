@@ -14,12 +14,16 @@ of `megatron.core.datasets.gpt_dataset.GPTDataset`. The algorithm, written from 
 4. sample index: the documents, in document-index order, form one token stream; sample j starts at token
    j * seq_length of it and reads seq_length + 1 tokens, so consecutive samples share one token (the label of
    the last position). Each start is stored as (position in the document index, offset in that document)
-   (helpers.cpp: build_sample_idx). Here one compiled merge of the document stream with the sample starts.
+   (helpers.cpp: build_sample_idx). Here one compiled merge of the document stream with the sample starts, or,
+   where that kernel is not loaded in the process and the input is small, the same rows from numpy.
 5. shuffle index: a permutation of the samples with the same RandomState, continued; with a separate final
    epoch the samples of the first E-1 epochs and those of the last are permuted separately (_build_shuffle_index).
 
 The shuffles are numpy's RandomState.shuffle recompiled (mt19937.py: the same permutations, ~3x faster), and the
-sample index is built on a second thread while the shuffle index is drawn (neither holds the GIL).
+sample index is built on a second thread while the shuffle index is drawn (neither holds the GIL). Below ~4e6
+entries numpy does both unless the kernels are loaded already: numba's start-up (~1 s for a process's first kernel)
+costs more than the work there (corpusforge/_jit.py). A blend's datasets are built and cached together
+(SharedIndices, build_together).
 
 Sample i is then the sample-index entry shuffle[i], read across as many documents as it spans, a whole batch per
 call (copied straight from the memory map where the file is read through it), and made into tokens, labels, loss
@@ -306,12 +310,12 @@ def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_sampl
     lengths = sequence_lengths[document_index].astype(np.int64)
     ends = np.cumsum(lengths)
     covered = np.clip((ends[: n - 1] - extra) // seq_length, 0, num_samples)  # starts below each document's end
-    position = np.repeat(np.arange(n - 1, dtype=np.int64), np.diff(covered, prepend=0))
-    inside = len(position)
-    starts = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
+    held = np.diff(covered, prepend=0)  # starts per document
+    inside = int(covered[-1]) if n > 1 else 0
+    starts = np.arange(seq_length, (num_samples + 1) * seq_length, seq_length, dtype=np.int64)
     rows = out[1:]
-    rows[:inside, 0] = position
-    rows[:inside, 1] = starts[:inside] - (ends[position] - lengths[position])
+    rows[:inside, 0] = np.repeat(np.arange(n - 1, dtype=out.dtype), held)
+    rows[:inside, 1] = starts[:inside] - np.repeat(ends[: n - 1] - lengths[: n - 1], held)  # start - doc begin
     # The rest are clamped to the last document; a sample running past its end ends at (last, length - extra).
     end = ends[n - 2] if n > 1 else 0
     last, tail = lengths[n - 1], starts[inside:]
@@ -429,7 +433,10 @@ def build_indices(
     # The sample index needs the document index but not the generator, and the shuffle index the generator but
     # not the sample index: both kernels release the GIL, so they run side by side on two cores.
     head = before_final if separate_final_epoch else total
-    if total < _PARALLEL_ABOVE:  # a hand-off to the helper thread costs more than building it here
+    # Side by side only where both are compiled and large enough: numpy's shuffle holds the GIL, and a hand-off to
+    # the helper thread costs more than a small build.
+    compiled = total + len(document_index) >= _COMPILED_FROM or ready(_sample_starts)
+    if total < _PARALLEL_ABOVE or not compiled:
         sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total, extra)
         return {
             "document_index": document_index,
@@ -790,12 +797,13 @@ class GPTDataset:
             memory = token_memory(self.indexed)
             if memory is not None and not self.config.create_attention_mask:
                 indexed = self.indexed
+                # Plain ndarray views: numba types an np.memmap (cached indices) by a slower path on every call.
                 args = (
-                    self.shuffle_index,
-                    self.sample_index,
-                    self.document_index,
-                    indexed.sequence_lengths,
-                    indexed.sequence_pointers,
+                    np.asarray(self.shuffle_index),
+                    np.asarray(self.sample_index),
+                    np.asarray(self.document_index),
+                    np.asarray(indexed.sequence_lengths),
+                    np.asarray(indexed.sequence_pointers),
                     indexed.dtype.itemsize,
                     memory,
                     kernel_options(self.config),
