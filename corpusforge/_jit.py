@@ -5,10 +5,11 @@ neither the package's __pycache__ nor a user cache directory is writable, as for
 install. Importing corpusforge must not fail then: the functions compile in memory instead (a slower first call,
 the same results).
 
-`ready(kernel)` says whether this process already holds a kernel's machine code. The first kernel a process
-calls costs ~0.7-1.5 s here (numba loads LLVM and its cache), each further one ~10-30 ms: code that numpy runs in a
-few milliseconds at the sizes users usually have (the index build of one dataset) calls a kernel only where the
-work repays that, or where the kernel is ready anyway.
+`ready(kernel)` says whether this process already holds a kernel's machine code, `started()` whether it holds any.
+The first kernel a process calls costs ~0.7-1.5 s here (numba initialises LLVM and loads its cache), each further
+one ~5-10 ms: code that numpy runs in a few milliseconds at the sizes users usually have (the index build of one
+dataset) calls a kernel only where the work repays that, or once numba has started (a process that has read
+samples).
 
 Example:
     >>> @njit(nogil=True)
@@ -28,11 +29,16 @@ import numba
 def njit(**options) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         try:
-            return numba.njit(cache=True, **options)(fn)
+            kernel = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # no writable cache location
-            return numba.njit(cache=False, **options)(fn)
+            kernel = numba.njit(cache=False, **options)(fn)
+        _KERNELS.append(kernel)
+        return kernel
 
     return decorate
+
+
+_KERNELS: list[Callable] = []
 
 
 def ready(kernel: Callable) -> bool:
@@ -43,3 +49,14 @@ def ready(kernel: Callable) -> bool:
         False
     """
     return bool(kernel.signatures)
+
+
+def started() -> bool:
+    """Whether any corpusforge kernel is loaded in this process: numba's start-up is paid, and loading one more
+    kernel costs ~5-10 ms, not ~1 s.
+
+    Example:
+        >>> started()
+        False
+    """
+    return any(kernel.signatures for kernel in _KERNELS)

@@ -21,7 +21,7 @@ of `megatron.core.datasets.gpt_dataset.GPTDataset`. The algorithm, written from 
 
 The shuffles are numpy's RandomState.shuffle recompiled (mt19937.py: the same permutations, ~3x faster), and the
 sample index is built on a second thread while the shuffle index is drawn (neither holds the GIL). Below ~4e6
-entries numpy does both unless the kernels are loaded already: numba's start-up (~1 s for a process's first kernel)
+entries numpy does both until numba has started in the process: its start-up (~1 s for a process's first kernel)
 costs more than the work there (corpusforge/_jit.py). A blend's datasets are built and cached together
 (SharedIndices, build_together).
 
@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge._jit import njit, ready
+from corpusforge._jit import njit, ready, started
 from corpusforge.data.batch import (
     RawBatch,
     assemble,
@@ -236,7 +236,7 @@ def build_document_index(
     """
     n = len(documents)
     index = np.empty(n * num_epochs, dtype=np.int32)
-    if isinstance(documents, range) and documents.step == 1 and (n >= _COMPILED_FROM or ready(_count_from)):
+    if isinstance(documents, range) and documents.step == 1 and _compiled(_count_from, n):
         _count_from(index[:n], documents.start)
     elif isinstance(documents, range):
         index[:n] = np.arange(documents.start, documents.stop, documents.step, dtype=np.int32)
@@ -285,17 +285,22 @@ def build_sample_index(
     dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64  # helpers.py: build_sample_idx
     out = np.empty((num_samples + 1, 2), dtype=dtype)  # every row is written: no zeroing pass over fresh pages
     lengths, documents = np.ascontiguousarray(sequence_lengths), np.ascontiguousarray(document_index)
-    if num_samples + len(documents) >= _COMPILED_FROM or ready(_sample_starts):
+    if _compiled(_sample_starts, num_samples + len(documents)):
         _sample_starts(lengths, documents, seq_length, num_samples, extra, out)
     else:
         _sample_starts_numpy(lengths, documents, seq_length, num_samples, extra, out)
     return out
 
 
-# The index builders call their compiled kernels for inputs of this many entries and more, or where the kernel is
-# loaded in this process already; below, numpy (a few ms at 1e5 entries) rather than numba's start-up (~1 s for
-# the first kernel of a process: corpusforge/_jit.py).
+# The index builders call their compiled kernels for inputs of this many entries and more, or where numba has
+# started in this process (any kernel loaded: one more costs ~5-10 ms); below, numpy (a few ms at 1e5 entries)
+# rather than numba's start-up (~1 s for the first kernel of a process: corpusforge/_jit.py).
 _COMPILED_FROM = 1 << 22
+
+
+def _compiled(kernel, entries: int) -> bool:
+    """Whether to call `kernel` for an input of `entries` (see _COMPILED_FROM) rather than its numpy twin."""
+    return entries >= _COMPILED_FROM or ready(kernel) or started()
 
 
 def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
@@ -435,7 +440,7 @@ def build_indices(
     head = before_final if separate_final_epoch else total
     # Side by side only where both are compiled and large enough: numpy's shuffle holds the GIL, and a hand-off to
     # the helper thread costs more than a small build.
-    compiled = total + len(document_index) >= _COMPILED_FROM or ready(_sample_starts)
+    compiled = _compiled(_sample_starts, total + len(document_index))
     if total < _PARALLEL_ABOVE or not compiled:
         sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total, extra)
         return {

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from corpusforge._jit import njit, ready
+from corpusforge._jit import njit, ready, started
 
 # MT19937 constants (mt19937.c): state words, the shift of the recurrence, the twist matrix, the tempering masks.
 _N, _M = 624, 397
@@ -41,8 +41,8 @@ _MAX_32BIT_BOUND = 0xFFFFFFFF
 # numpy ~10-20 ns per element (a blend of thousands of small datasets shuffles thousands of small arrays).
 _NUMPY_BELOW = 1 << 13
 
-# Longer arrays too, as long as the compiled shuffle is not loaded in this process (see corpusforge/_jit.py: loading
-# the first kernel costs ~1 s, what numpy takes for ~5e7 entries) and the array is shorter than this (numpy: ~0.3 s).
+# Longer arrays too, as long as numba has not started in this process (see corpusforge/_jit.py: loading the first
+# kernel costs ~1 s, what numpy takes for ~5e7 entries) and the array is shorter than this (numpy: ~0.3 s).
 _COMPILED_FROM = 1 << 24
 
 # Draws taken before their swaps are done: 64 KiB of uint32.
@@ -59,7 +59,7 @@ def shuffle(rng: np.random.RandomState, array: np.ndarray) -> None:
         >>> rng = np.random.RandomState(1234); x = np.arange(5, dtype=np.int32); shuffle(rng, x); x.tolist()
         [4, 0, 1, 2, 3]
     """
-    if len(array) <= _NUMPY_BELOW or (len(array) < _COMPILED_FROM and not ready(_shuffle)):
+    if len(array) <= _NUMPY_BELOW or (len(array) < _COMPILED_FROM and not (ready(_shuffle) or started())):
         rng.shuffle(array)
         return
     state = rng.get_state(legacy=False)

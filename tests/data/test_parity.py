@@ -182,6 +182,7 @@ def index_kernels(request, monkeypatch):
     else:
         monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 1 << 62)
         monkeypatch.setattr(gpt_dataset, "ready", lambda kernel: False)
+        monkeypatch.setattr(gpt_dataset, "started", lambda: False)
     return request.param
 
 
