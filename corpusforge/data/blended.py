@@ -122,34 +122,36 @@ _NEVER = np.inf
 
 
 @njit(nogil=True, inline="always")
-def _error(weights, counts, d, step):
-    return weights[d] * step - counts[d]  # helpers.cpp: weights[d] * double(i) - double(current_samples[d])
-
-
-@njit(nogil=True, inline="always")
-def _compare(node, winner, melt, weights, counts, step, margin):
+def _compare(node, winner, weight, count, melt, step, margin):
     """Winner of `node` from its children's at `step` (ties to the left: the lower dataset index, as the scan's
-    strict >), and the step from which the comparison must be made again (melt: the minimum over the subtree)."""
-    left, right = winner[2 * node], winner[2 * node + 1]
-    a, b = _error(weights, counts, left, step), _error(weights, counts, right, step)
-    win, lose = (left, right) if a >= b else (right, left)
-    gap = abs(a - b)  # inf against a dataset out of the race (error -inf); nan between two of them
-    again = _NEVER
+    strict >), and the step from which the comparison must be made again (melt: the minimum over the subtree).
+    Each node keeps its winner's weight and count beside it, so a comparison reads its two children, not the
+    datasets' arrays through them."""
+    left, right = 2 * node, 2 * node + 1
+    # helpers.cpp's error: weights[d] * double(i) - double(current_samples[d])
+    a, b = weight[left] * step - count[left], weight[right] * step - count[right]
+    if a >= b:
+        win, other, gap = left, weight[right], a - b
+    else:
+        win, other, gap = right, weight[left], b - a
+    ahead = weight[win]
+    again = _NEVER  # gap is inf against a dataset out of the race (error -inf), nan between two of them
     # Equal weights: both errors subtract a count from the same rounded product, so the counts alone decide, and
     # they change only where the path of the chosen dataset is recomputed: no re-comparison.
-    if weights[win] != weights[lose] and gap < _NEVER:
-        slack = 2.0**-50 * (weights[win] + weights[lose])  # the rounding of the weights' difference
+    if ahead != other and gap < _NEVER:
+        slack = 2.0**-50 * (ahead + other)  # the rounding of the weights' difference
         if gap < margin:
             again = step + 1.0
-        elif weights[win] - weights[lose] <= slack:  # the gap may shrink: not before it can have used up its margin
-            shrink = max(0.0, weights[lose] - weights[win]) + slack
+        elif ahead - other <= slack:  # the gap may shrink: not before it can have used up its margin
+            shrink = max(0.0, other - ahead) + slack
             again = step + max(1.0, math.floor((gap - margin) / shrink * (1.0 - 2.0**-20)))
-    winner[node] = win
-    melt[node] = min(again, melt[2 * node], melt[2 * node + 1])
+    winner[node], weight[node], count[node] = winner[win], ahead, count[win]
+    below = min(melt[left], melt[right])
+    melt[node] = again if again < below else below
 
 
 @njit(nogil=True)
-def _refresh(winner, melt, weights, counts, step, margin, stack, due):
+def _refresh(winner, weight, count, melt, step, margin, stack, due):
     """Recompute every comparison that is due at `step`: the due nodes are found from the root (melt is the
     subtree's minimum), in pre-order, then compared in the reverse order, which puts every node after its
     children."""
@@ -167,7 +169,7 @@ def _refresh(winner, melt, weights, counts, step, margin, stack, due):
                     stack[top] = child
                     top += 1
     for k in range(found - 1, -1, -1):
-        _compare(due[k], winner, melt, weights, counts, step, margin)
+        _compare(due[k], winner, weight, count, melt, step, margin)
 
 
 @njit(nogil=True)
@@ -180,32 +182,34 @@ def _fill_tournament(dataset_index, dataset_sample_index, weights, limits, size)
     leaves = 2
     while leaves < d:
         leaves *= 2
-    w = np.zeros(leaves)  # padding leaves: weight 0, count inf, error -inf: they never win
-    w[:d] = weights
-    counts = np.full(leaves, np.inf)
-    taken = np.zeros(d, np.int64)
-    for k in range(d):
-        if limits[k] > 0:
-            counts[k] = 0.0
+    # Node n's children are 2n and 2n + 1; leaf leaves + k is dataset k. Padding leaves: weight 0, count inf,
+    # error -inf: they never win.
     winner = np.empty(2 * leaves, np.int64)
     winner[leaves:] = np.arange(leaves)
+    weight = np.zeros(2 * leaves)
+    weight[leaves : leaves + d] = weights
+    count = np.full(2 * leaves, np.inf)
+    for k in range(d):
+        if limits[k] > 0:
+            count[leaves + k] = 0.0
+    taken = np.zeros(d, np.int64)
     melt = np.full(2 * leaves, _NEVER)
     stack, due = np.empty(leaves, np.int64), np.empty(leaves, np.int64)
     margin = _MARGIN * max(float(size), 1.0)
     for node in range(leaves - 1, 0, -1):
-        _compare(node, winner, melt, w, counts, 1.0, margin)
+        _compare(node, winner, weight, count, melt, 1.0, margin)
     for i in range(size):
         step = max(float(i), 1.0)
         if melt[1] <= step:
-            _refresh(winner, melt, w, counts, step, margin, stack, due)
+            _refresh(winner, weight, count, melt, step, margin, stack, due)
         best = winner[1]
         dataset_index[i] = best
         dataset_sample_index[i] = taken[best]
         taken[best] += 1
-        counts[best] = taken[best] if taken[best] < limits[best] else np.inf
+        count[leaves + best] = taken[best] if taken[best] < limits[best] else np.inf
         node = (leaves + best) // 2
         while node >= 1:
-            _compare(node, winner, melt, w, counts, step, margin)
+            _compare(node, winner, weight, count, melt, step, margin)
             node //= 2
 
 
