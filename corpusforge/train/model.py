@@ -92,6 +92,22 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def init_gpt2_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2's initialisation of one module, for `model.apply`: N(0, 0.02) everywhere; projections into the residual
+    stream (marked `residual`) scaled by 1/sqrt(2 * n_layer), as each block adds two of them (Radford et al. 2019,
+    section 2.3; nanoGPT model.py).
+
+    Example: gpt.apply(partial(init_gpt2_weights, n_layer=12))
+    """
+    if isinstance(module, nn.Linear):
+        std = 0.02 / math.sqrt(2 * n_layer) if getattr(module, "residual", False) else 0.02
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -113,15 +129,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
-        # GPT-2: N(0, 0.02) everywhere; projections into the residual stream scaled by 1/sqrt(2 * n_layer), as
-        # each block adds two of them (Radford et al. 2019, section 2.3; nanoGPT model.py).
-        if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_gpt2_weights(module, self.cfg.n_layer)
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of int64 tokens `idx` (B, T); positions default to 0..T-1. A pipeline stage without the

@@ -34,7 +34,6 @@ N = B*L*K neighbours in a batch, nh heads, hs = head size, V padded vocabulary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from corpusforge.train.config import ConfigError
-from corpusforge.train.model import MLP, Block, GPTConfig, pad_vocab
+from corpusforge.train.model import MLP, Block, GPTConfig, init_gpt2_weights, pad_vocab
 
 
 def retro_layer_numbers(n_layer: int) -> tuple[int, ...]:
@@ -369,13 +368,7 @@ class RetroModel(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2's scheme (model.GPT._init_weights): N(0, 0.02), projections into a residual stream scaled by
         # 1/sqrt(2 * layers). The decoder's depth is used for the encoder too: its outputs enter the decoder.
-        if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_gpt2_weights(module, self.cfg.n_layer)
 
     def forward(
         self,
