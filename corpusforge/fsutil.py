@@ -1,0 +1,170 @@
+"""File-system helpers, written once: a file appears whole under its final name or not at all.
+
+Every writer in corpusforge that publishes a file goes through `atomic_write` (or one of its thin forms), so they
+all behave the same on a crash: the data goes to `{name}.{pid}.{random}.tmp` beside the final name, is flushed and
+fsynced, renamed over the final name, and the directory is fsynced so that the rename itself survives a power
+cut. An exception (a full disk, a bad value, Ctrl-C) removes the temporary file; a SIGKILL leaves it, and
+`remove_leftovers` is how a stage that starts again clears them.
+
+    >>> with atomic_write(Path("out/x.json"), "w") as f:
+    ...     f.write("{}")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+TMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """A fresh temporary name beside `path`, unique per process and call, ending in `.tmp`.
+
+    Example:
+        >>> temp_path("out/a.idx").name  # doctest: +SKIP
+        'a.idx.4242.9f3c01ab.tmp'
+    """
+    path = Path(path)
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by its path; for a directory this makes a rename in it durable (POSIX: the
+    directory entry is data of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync the directory `path` (an alias of fsync_path whose name says why it is called)."""
+    fsync_path(path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary path for a writer that wants a file name (faiss.write_index, a subprocess); on a clean
+    exit fsync it, rename it to `path` and fsync the directory; on an exception remove it.
+
+    Example:
+        >>> with atomic_path(Path("db/index.faiss")) as tmp:
+        ...     faiss.write_index(index, str(tmp))  # doctest: +SKIP
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: str | os.PathLike, mode: str = "wb", *, durable: bool = True, encoding: str | None = None
+) -> Iterator[IO[Any]]:
+    """Open a temporary file beside `path` for writing; publish it under `path` when the block ends cleanly.
+
+    `mode` is "wb" or "w". The file is created 0o666 minus the umask (not mkstemp's 0o600: datasets and tokenizers
+    are read by other users and jobs). `durable=False` skips the fsyncs, for caches that can be rebuilt.
+
+    Example:
+        >>> with atomic_write(Path("out/tok.model")) as f:
+        ...     f.write(model_bytes)  # doctest: +SKIP
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_write writes a new file: mode must be 'wb' or 'w', not {mode!r}")
+    path = Path(path)
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Write `data` to `path` whole or not at all.
+
+    Example:
+        >>> write_bytes_atomic(Path("out/tok.model"), b"...")  # doctest: +SKIP
+    """
+    with atomic_write(path, "wb", durable=durable) as f:
+        f.write(data)
+
+
+def write_json_atomic(
+    path: str | os.PathLike,
+    data: Any,
+    *,
+    indent: int | None = 1,
+    sort_keys: bool = False,
+    newline: bool = False,
+    durable: bool = True,
+) -> None:
+    """json.dump `data` to `path` whole or not at all (`newline` adds a final line break).
+
+    Example:
+        >>> write_json_atomic(Path("db/done.json"), {"rows": 10}, sort_keys=True, newline=True)  # doctest: +SKIP
+    """
+    with atomic_write(path, "w", durable=durable) as f:
+        json.dump(data, f, indent=indent, sort_keys=sort_keys)
+        if newline:
+            f.write("\n")
+
+
+def save_npy_atomic(path: str | os.PathLike, array: np.ndarray, *, durable: bool = True) -> None:
+    """np.save `array` (never a pickle) to `path` whole or not at all.
+
+    Example:
+        >>> save_npy_atomic(Path("db/chunks.npy"), np.zeros(4, np.int64))  # doctest: +SKIP
+    """
+    with atomic_write(path, "wb", durable=durable) as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def remove_leftovers(directory: str | os.PathLike, pattern: str = f"*{TMP_SUFFIX}") -> list[Path]:
+    """Delete the temporary files a killed writer left in `directory` (matching `pattern`); returns them.
+
+    Example:
+        >>> remove_leftovers(Path("db/parts"))  # doctest: +SKIP
+        [PosixPath('db/parts/chunks.npy.4242.9f3c01ab.tmp')]
+    """
+    removed = sorted(Path(directory).glob(pattern))
+    for leftover in removed:
+        leftover.unlink(missing_ok=True)
+    return removed
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for an fsspec URL with a protocol other than file (s3://, gs://, http://, memory://, ...).
+
+    Example:
+        >>> is_url("s3://bucket/a_text_document"), is_url("/data/a_text_document")
+        (True, False)
+    """
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")

@@ -1,0 +1,99 @@
+"""The one atomic-write helper: whole or nothing under the final name, on an exception and on a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from corpusforge import fsutil
+
+
+def test_atomic_write_publishes_whole_file_with_shared_permissions(tmp_path):
+    target = tmp_path / "a.bin"
+    old = os.umask(0o022)
+    try:
+        with fsutil.atomic_write(target) as f:
+            f.write(b"abc")
+            assert not target.exists()  # nothing under the final name until the block ends
+    finally:
+        os.umask(old)
+    assert target.read_bytes() == b"abc"
+    assert target.stat().st_mode & 0o777 == 0o644
+    assert list(tmp_path.iterdir()) == [target]
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_atomic_write_failure_keeps_old_file_and_leaves_no_temp(tmp_path, error):
+    target = tmp_path / "a.json"
+    target.write_text("old")
+    with pytest.raises(type(error)):
+        with fsutil.atomic_write(target, "w") as f:
+            f.write("half")
+            raise error
+    assert target.read_text() == "old"
+    assert list(tmp_path.iterdir()) == [target]
+
+
+@pytest.mark.parametrize("helper", ["atomic_path", "write_json_atomic", "save_npy_atomic", "write_bytes_atomic"])
+def test_every_form_cleans_up_on_failure(tmp_path, helper):
+    target = tmp_path / "x"
+    with pytest.raises((TypeError, ValueError)):
+        if helper == "atomic_path":
+            with fsutil.atomic_path(target) as tmp:
+                tmp.write_bytes(b"half")
+                raise TypeError("writer failed")
+        elif helper == "write_json_atomic":
+            fsutil.write_json_atomic(target, {"a": object()})  # json fails after writing "{"
+        elif helper == "save_npy_atomic":
+            fsutil.save_npy_atomic(target, np.array([object()]))  # a pickle is refused mid-write
+        else:
+            fsutil.write_bytes_atomic(target, "not bytes")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_mid_write_leaves_old_file_and_a_leftover_that_is_removed(tmp_path):
+    target = tmp_path / "a.npy"
+    fsutil.save_npy_atomic(target, np.arange(3))
+    child = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from corpusforge import fsutil
+        with fsutil.atomic_write({str(target)!r}) as f:
+            f.write(b"partial")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", child], timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert np.load(target).tolist() == [0, 1, 2]
+    removed = fsutil.remove_leftovers(tmp_path)
+    assert [p.name.startswith("a.npy.") and p.suffix == ".tmp" for p in removed] == [True]
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_json_forms_match_the_writers_they_replace(tmp_path):
+    data = {"b": 1, "a": [1, 2]}
+    fsutil.write_json_atomic(tmp_path / "plain.json", data)
+    fsutil.write_json_atomic(tmp_path / "sorted.json", data, sort_keys=True, newline=True)
+    assert (tmp_path / "plain.json").read_text() == json.dumps(data, indent=1)
+    assert (tmp_path / "sorted.json").read_text() == json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def test_refuses_append_and_read_modes(tmp_path):
+    for mode in ("ab", "r+b", "a"):
+        with pytest.raises(ValueError, match="new file"):
+            with fsutil.atomic_write(tmp_path / "x", mode):
+                pass
+
+
+def test_is_url():
+    assert fsutil.is_url("s3://b/k") and fsutil.is_url("memory://x")
+    assert not fsutil.is_url("/data/x") and not fsutil.is_url("file:///data/x")
