@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge import indexed
-from corpusforge._jit import njit
+from corpusforge.jit import njit
 from corpusforge.errors import MissingExtraError
 from corpusforge.indexed import HEADER_SIZE, IndexedDataset, IndexedFormatError, fsync_dir
 from corpusforge.pagecache import resident_fraction

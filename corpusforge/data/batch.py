@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corpusforge._jit import njit
+from corpusforge.jit import njit
 
 if TYPE_CHECKING:
     from corpusforge.data.gpt_dataset import GPTDatasetConfig

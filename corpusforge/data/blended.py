@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge._jit import njit
+from corpusforge.jit import njit
 from corpusforge.data.batch import RawBatch, assemble
 from corpusforge.data.cache import IndexCache, picklable, unpickled
 from corpusforge.data.gpt_dataset import GPTDataset, prefetch_upcoming

@@ -22,7 +22,7 @@ of `megatron.core.datasets.gpt_dataset.GPTDataset`. The algorithm, written from 
 The shuffles are numpy's RandomState.shuffle recompiled (mt19937.py: the same permutations, ~3x faster), and the
 sample index is built on a second thread while the shuffle index is drawn (neither holds the GIL). Below ~4e6
 entries numpy does both until numba has started in the process: its start-up (~1 s for a process's first kernel)
-costs more than the work there (corpusforge/_jit.py). A blend's datasets are built and cached together
+costs more than the work there (corpusforge/jit.py). A blend's datasets are built and cached together
 (SharedIndices, build_together).
 
 Sample i is then the sample-index entry shuffle[i], read across as many documents as it spans, a whole batch per
@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge._jit import njit, ready, started
+from corpusforge.jit import njit, ready, started
 from corpusforge.data.batch import (
     RawBatch,
     assemble,
@@ -294,7 +294,7 @@ def build_sample_index(
 
 # The index builders call their compiled kernels for inputs of this many entries and more, or where numba has
 # started in this process (any kernel loaded: one more costs ~5-10 ms); below, numpy (a few ms at 1e5 entries)
-# rather than numba's start-up (~1 s for the first kernel of a process: corpusforge/_jit.py).
+# rather than numba's start-up (~1 s for the first kernel of a process: corpusforge/jit.py).
 _COMPILED_FROM = 1 << 22
 
 

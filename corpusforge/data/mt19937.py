@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from corpusforge._jit import njit, ready, started
+from corpusforge.jit import njit, ready, started
 
 # MT19937 constants (mt19937.c): state words, the shift of the recurrence, the twist matrix, the tempering masks.
 _N, _M = 624, 397
@@ -41,7 +41,7 @@ _MAX_32BIT_BOUND = 0xFFFFFFFF
 # numpy ~10-20 ns per element (a blend of thousands of small datasets shuffles thousands of small arrays).
 _NUMPY_BELOW = 1 << 13
 
-# Longer arrays too, as long as numba has not started in this process (see corpusforge/_jit.py: loading the first
+# Longer arrays too, as long as numba has not started in this process (see corpusforge/jit.py: loading the first
 # kernel costs ~1 s, what numpy takes for ~5e7 entries) and the array is shorter than this (numpy: ~0.3 s).
 _COMPILED_FROM = 1 << 24
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from corpusforge._jit import njit
+from corpusforge.jit import njit
 from corpusforge.retro.common import RetroError, load_npy, save_npy_atomic
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
