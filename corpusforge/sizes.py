@@ -1,10 +1,11 @@
-"""Byte sizes as people write them: '64M', '16G', '512k', '1.5GiB', '1e9'. One parser for every option that takes one.
+"""Byte sizes as people write them: '64M', '16G', '512k', '1.5GiB', '1e9'. One parser for every option that takes one,
+and one printer for every message and table that shows one.
 
 Units are powers of 1024 (k, M, G, T, P; an optional trailing B or iB changes nothing), as dd, fio and Megatron's
 own size options read them. A plain number is bytes.
 
-    >>> parse_size("64M")
-    67108864
+    >>> parse_size("64M"), human_bytes(parse_size("1.5G"))
+    (67108864, '1.5 GiB')
 """
 
 from __future__ import annotations
@@ -43,3 +44,17 @@ def parse_size(text: str | int, *, minimum: int = 0) -> int:
         least = {0: "not be negative", 1: "be positive"}.get(minimum, f"be at least {minimum} bytes")
         raise ArgumentError(f"{raw!r}: a size must {least}; {examples}")
     return int(value)
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes as a person reads them: whole units without a decimal, others with one; binary units up to GiB.
+
+    Example:
+        >>> human_bytes(64 << 20), human_bytes(1.5 * (1 << 30)), human_bytes(512), human_bytes(4 << 40)
+        ('64 MiB', '1.5 GiB', '512 B', '4096 GiB')
+    """
+    for unit, size in (("GiB", UNITS["g"]), ("MiB", UNITS["m"]), ("KiB", UNITS["k"])):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
