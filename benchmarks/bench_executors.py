@@ -9,7 +9,7 @@ On a realistic JSONL corpus (benchmarks/make_corpus.py; reused when already made
   ray          the same with `--executor ray --ray-address auto`, on a Ray cluster of W CPUs that this script
                started beforehand with `ray start --head --num-cpus W --block`: a cluster's steady state, as
                under Slurm, where `ray start` runs once per allocation and jobs come and go. The worker pool
-               (corpusforge._ray_pool) is warm from the job before; the first job on the cluster, which starts
+               (corpusforge.executors.pool) is warm from the job before; the first job on the cluster, which starts
                it, is reported apart (ray-first-job)
   ray-per-job  the same with `--ray-keep-workers 0`: every job starts its own worker processes and ends them,
                as Ray does without the pool (and as the first job on a cluster does)

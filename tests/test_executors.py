@@ -16,8 +16,8 @@ import psutil
 import pytest
 from test_preprocess import CLI, files_of, make_docs, run, write_jsonl
 
-from corpusforge import _ray_pool
 from corpusforge.executors import ExecutorError, LocalExecutor, TaskContext, make_executor
+from corpusforge.executors import pool as ray_pool
 
 RAY_BUSY = "ray::PoolWorker.run"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -271,9 +271,9 @@ def test_pool_slots_spread_over_nodes_one_per_cpu():
         {"NodeID": "c", "Alive": False, "Resources": {"CPU": 8.0}},
         {"NodeID": "d", "Alive": True, "Resources": {}},  # no CPU: runs nothing
     ]
-    assert _ray_pool.slots(nodes, 3) == [("a", 0), ("b", 0), ("b", 1)]
-    assert _ray_pool.slots(nodes, 2) == [("a", 0), ("b", 0)]  # fewer workers than CPUs: still on both nodes
-    assert _ray_pool.slots(nodes, 4) == [("a", 0), ("b", 0), ("b", 1), ("a", 3)]
+    assert ray_pool.slots(nodes, 3) == [("a", 0), ("b", 0), ("b", 1)]
+    assert ray_pool.slots(nodes, 2) == [("a", 0), ("b", 0)]  # fewer workers than CPUs: still on both nodes
+    assert ray_pool.slots(nodes, 4) == [("a", 0), ("b", 0), ("b", 1), ("a", 3)]
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +337,7 @@ def test_ray_pool_outlives_the_job_and_the_next_job_runs_on_the_same_workers(tmp
         summary = json.loads(run("preprocess", src, "--output-prefix", tmp_path / name, *args).stdout)
         assert summary["executor"] == "ray" and summary["workers"] == 2
         assert files_of(f"{tmp_path}/{name}_text_document") == files_of(f"{tmp_path}/local_text_document")
-    pool = {n for n in _pool_names_alive(ray_cluster) if n.startswith(f"worker-{_ray_pool.code_fingerprint()}-")}
+    pool = {n for n in _pool_names_alive(ray_cluster) if n.startswith(f"worker-{ray_pool.code_fingerprint()}-")}
     assert len(pool) == 2, pool
 
     body = (

@@ -1,4 +1,5 @@
-"""Ray worker processes that outlive a job, so that the next job on the cluster does not start them again.
+"""The warm Ray actor pool: worker processes that outlive a job, so that the next job on the cluster does not start
+them again. RayExecutor (ray.py) runs its tasks on them.
 
 Ray starts new worker processes for every job and ends them with it. Each one is a Python interpreter that imports
 Ray, then corpusforge and the tokenizer: 0.9 core-seconds and 1-1.5 s before its first task (measured on 2 cores),
@@ -23,12 +24,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from corpusforge.executors.base import ExecutorError, R, T, TaskContext, TaskFn
 
 NAMESPACE = "corpusforge"
 DEFAULT_KEEP_S = 60.0
@@ -37,7 +41,7 @@ DEFAULT_KEEP_S = 60.0
 @lru_cache(maxsize=1)
 def code_fingerprint() -> str:
     """A short hash of corpusforge's source files (path, size, mtime): a new install or an edit gives a new pool."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # corpusforge/, of which this is executors/pool.py
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         st = path.stat()
@@ -127,10 +131,8 @@ class PoolWorker:
         return warm_up() if warm_up is not None else None
 
     def run(self, fn: Callable, item: Any) -> Any:
-        from corpusforge.executors import _run_on_ray
-
         with self._working():
-            return _run_on_ray(fn, item)
+            return run_task(fn, item)
 
     def step(self, fn: Callable, item: Any) -> Any:
         """A short I/O step (Executor.submit), called in the "io" concurrency group beside `run`."""
@@ -160,3 +162,15 @@ class PoolWorker:
         # no_restart: an idle end is not a failure. A job that calls this actor meanwhile gets ActorDiedError and
         # asks for a replacement.
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def run_task(fn: TaskFn, item: T) -> R:
+    """`fn(item, ctx)` on a pool actor: a missing path names the node, because on a cluster that means the inputs
+    or the output directory are not on a file system every node shares."""
+    try:
+        return fn(item, TaskContext(None, threads=1))
+    except FileNotFoundError as e:
+        raise ExecutorError(
+            f"{e.filename}: not found on node {socket.gethostname()}; every node must see the inputs and the output "
+            "directory at the same path (a shared file system)"
+        ) from None
