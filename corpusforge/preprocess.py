@@ -84,7 +84,8 @@ class PreprocessConfig:
     """Ray cluster to join ('auto': the one `ray start` made on this node); None: a new one on this machine
     with `workers` CPUs (or every core)."""
     ray_keep_workers: float = 60.0
-    """Idle seconds Ray's worker processes wait for the next job (corpusforge._ray_pool); 0 ends them with this one."""
+    """Idle seconds Ray's worker processes wait for the next job (corpusforge.executors.pool); 0 ends them with
+    this one."""
     retries: int = 2
     """Times a task is run again when its worker process (or Ray node) dies; a task that raises is not retried."""
     merge_on_workers: bool | None = None

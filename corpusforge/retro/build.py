@@ -103,7 +103,8 @@ class BuildConfig:
     ray_address: str | None = None
     """Ray cluster to join ('auto': the one `ray start` made here); default a new local Ray."""
     ray_keep_workers: float = 60.0
-    """Idle seconds Ray's worker processes wait for the next job (corpusforge._ray_pool); 0 ends them with this one."""
+    """Idle seconds Ray's worker processes wait for the next job (corpusforge.executors.pool); 0 ends them with
+    this one."""
 
     def identity(self, data: dict, embedder_fp: str, query_data: dict | None) -> dict:
         """What a resumed build must share with the run it continues."""
