@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from corpusforge import sizes
 from corpusforge.errors import CorpusforgeError
+from corpusforge.fsutil import is_url
+from corpusforge.sizes import human_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# is_url and human_bytes live in fsutil and sizes; re-exported for the iobench modules that import them from here.
+__all__ = ["PATTERNS", "BenchConfig", "BenchConfigError", "GiB", "KiB", "MiB", "human_bytes", "is_url"]
 
 # Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
 PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train")
@@ -158,24 +161,3 @@ class BenchConfig:
         transient = max((n for p, n in passing.items() if p in self.patterns), default=0)
         loader = {"replay", "train"} & set(self.patterns) and self.dataset is None
         return reads + transient + (2 * self.synthetic_tokens + 16 * MiB if loader else 0)
-
-
-def is_url(path: str) -> bool:
-    """s3://, gs://, memory:// ...: anything fsspec reaches that is not a local path."""
-    return "://" in path and not path.startswith("file://")
-
-
-def parse_size(text: str) -> int:
-    """'64M' -> 67108864, '4k' -> 4096; plain numbers are bytes (corpusforge.sizes, as a BenchConfigError)."""
-    try:
-        return sizes.parse_size(text)
-    except ValueError as e:
-        raise BenchConfigError(str(e)) from None
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            value = n / size
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(n)} B"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from corpusforge.iobench.config import BenchConfig, BenchConfigError, GiB, KiB, MiB, human_bytes, parse_size
+from corpusforge.iobench.config import BenchConfig, BenchConfigError, GiB, KiB, MiB
 from corpusforge.iobench.patterns import checkpoint_shapes
+from corpusforge.sizes import human_bytes, parse_size
 
 
 def test_parse_size():
@@ -17,7 +18,7 @@ def test_parse_size():
         512,
         1536,
     ]
-    with pytest.raises(BenchConfigError, match="is not a size"):
+    with pytest.raises(ValueError, match="is not a size"):
         parse_size("lots")
 
 
