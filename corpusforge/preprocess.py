@@ -98,6 +98,9 @@ class PreprocessConfig:
     several sequences, or none, per document (see `_add_segmented`)."""
     """Copy finished parts into the final .bin from the executor's nodes (each at its offset, in parallel) rather
     than from this process. None: when the executor spans more than one machine."""
+    keep_empty: bool = False
+    """An empty or whitespace-only text of a JSON line is a document for the tokenizer, not a bad record
+    (Megatron's preprocess_data.py tokenizes it: corpusforge.megatron sets this)."""
 
     def output_prefixes(self) -> list[str]:
         return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
@@ -604,7 +607,7 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
     stats = {"documents": 0, "tokens": 0, "input_bytes": 0, "records": 0, "bad": Counter(), "first_bad": None}
     stats["file_bytes"] = 0  # progress units, for executors whose workers cannot stream progress
     try:
-        for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line):
+        for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line, cfg.keep_empty):
             tokens = 0
             for writer, texts in zip(writers, batch.texts):
                 if hasattr(tokenizer, "encode_documents"):  # Megatron's semantics: sentences, empty documents

@@ -302,9 +302,10 @@ class RecordBatch:
     first_bad: str | None = None  # the first skipped record's `file:line: problem`, for the summary
 
 
-def read_task(task: Task, keys: Sequence[str], on_bad: str = "fail") -> Iterator[RecordBatch]:
+def read_task(task: Task, keys: Sequence[str], on_bad: str = "fail", keep_empty: bool = False) -> Iterator[RecordBatch]:
     """Yield the documents of `task` in order, in blocks; with on_bad='fail' raise BadRecordError on the first
-    bad record, with 'skip' count it in the batch and go on."""
+    bad record, with 'skip' count it in the batch and go on. `keep_empty`: an empty or whitespace-only text of a
+    JSON line is a document, not a bad record (Megatron's preprocess_data.py tokenizes it; corpusforge.megatron)."""
     if on_bad not in ("fail", "skip"):
         raise ValueError(f"on_bad must be 'fail' or 'skip', not {on_bad!r}")
     if task.format == "parquet":
@@ -312,7 +313,7 @@ def read_task(task: Task, keys: Sequence[str], on_bad: str = "fail") -> Iterator
     elif task.format == "hf":
         yield from _read_hf(task, keys, on_bad)
     else:
-        yield from _read_jsonl(task, keys, on_bad)
+        yield from _read_jsonl(task, keys, on_bad, keep_empty)
 
 
 def _open_stream(task: Task) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
@@ -493,7 +494,7 @@ def _split_lines(block: bytes | memoryview) -> list:
     return lines
 
 
-def _read_jsonl(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBatch]:
+def _read_jsonl(task: Task, keys: Sequence[str], on_bad: str, keep_empty: bool = False) -> Iterator[RecordBatch]:
     # Measured here: Arrow's C++ JSON reader parses no faster than orjson, and gigatoken encodes Arrow buffers no
     # faster than str. A block of good records with one key is read by the compiled extractor (2-3x orjson, and
     # no str per document); any other block by the exact path, which finds, reports and skips bad records.
@@ -506,11 +507,13 @@ def _read_jsonl(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[Record
             first_line += lines
             continue
         lines = _split_lines(block)
-        yield _parse_lines(task, lines, first_line, keys, on_bad, len(block), file_bytes)
+        yield _parse_lines(task, lines, first_line, keys, on_bad, len(block), file_bytes, keep_empty)
         first_line += len(lines)
 
 
-def _parse_lines(task: Task, lines: list, first_line: int, keys, on_bad: str, nbytes: int, file_bytes: int):
+def _parse_lines(
+    task: Task, lines: list, first_line: int, keys, on_bad: str, nbytes: int, file_bytes: int, keep_empty: bool = False
+):
     """The exact path: orjson per line, every bad record classified and reported as file:line."""
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
     only_key = keys[0] if len(keys) == 1 else None
@@ -531,7 +534,7 @@ def _parse_lines(task: Task, lines: list, first_line: int, keys, on_bad: str, nb
             if type(text) is str and text and not text.isspace():
                 append(text)
                 continue
-        texts = _fields(record, keys)
+        texts = _fields(record, keys, keep_empty)
         if isinstance(texts, tuple):
             _bad(task, first_line + offset, *texts, on_bad, batch)
             continue
@@ -548,7 +551,7 @@ def _classify_json_error(line: bytes | memoryview, error: Exception) -> tuple[st
     return "malformed_json", f"malformed JSON ({error})"
 
 
-def _fields(record, keys: Sequence[str]) -> list[str] | tuple[str, str]:
+def _fields(record, keys: Sequence[str], keep_empty: bool = False) -> list[str] | tuple[str, str]:
     """The record's text for every key, or (kind, problem) for the first thing wrong with it."""
     if not isinstance(record, dict):
         return "malformed_json", f"expected a JSON object, found {type(record).__name__}"
@@ -561,7 +564,7 @@ def _fields(record, keys: Sequence[str]) -> list[str] | tuple[str, str]:
         if not isinstance(text, str):
             shown = "null" if text is None else type(text).__name__
             return "not_string", f"{key!r} is {shown}, not a string"
-        if not text.strip():
+        if not keep_empty and not text.strip():
             return "empty", f"{key!r} is an empty document"
         texts.append(text)
     return texts
