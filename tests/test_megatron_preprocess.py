@@ -11,7 +11,9 @@ them through NLTK's own punkt_tab loader from a directory written here.
 from __future__ import annotations
 
 import base64
+import glob
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -341,6 +343,148 @@ def test_eod_per_type_is_megatrons(files, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# --partitions: Megatron's glob order, its partitions (round-robin or contiguous), merged with add_index
+
+
+def _megatron_partitioned(pattern: str, prefix: Path, tokenizer, keys, append_eod: bool, splitter, n: int, keep: bool):
+    """tools/preprocess_data.py's main with --partitions n > 1, transcribed: the files of glob.glob(--input) in its
+    order, their lines dealt to n partitions (line j to j % n; with --keep-sequential-samples runs of
+    ceil(lines / n)), each partition encoded alone as above, then merged in partition order by add_index."""
+    from megatron.core.datasets import indexed_dataset
+
+    files = glob.glob(pattern)
+    total_sample_count = sum(sum(1 for _ in open(name)) for name in files)
+    partition_size = math.ceil(total_sample_count / n)
+    partitions: list[list[str]] = [[] for _ in range(n)]
+    index = line_count = 0
+    for name in files:
+        with open(name, encoding="utf-8") as fin:
+            for line in fin:
+                partitions[index].append(line)
+                if keep:
+                    line_count += 1
+                    if line_count % partition_size == 0:
+                        index += 1
+                else:
+                    index = (index + 1) % n
+    level = "sentence" if splitter is not None else "document"
+    for i, lines in enumerate(partitions):
+        _megatron_reference(lines, Path(f"{prefix}_{i}"), tokenizer, keys, append_eod, splitter)
+    for key in keys:
+        builder = indexed_dataset.IndexedDatasetBuilder(
+            f"{prefix}_{key}_{level}.bin", dtype=indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
+        )
+        for i in range(n):
+            builder.add_index(f"{prefix}_{i}_{key}_{level}")
+        builder.finalize(f"{prefix}_{key}_{level}.idx")
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory, corpus) -> str:
+    """The module's corpus cut into three files of 26, 21 and 13 lines (named so that sorted differs from
+    creation order); returns the glob."""
+    d = tmp_path_factory.mktemp("several")
+    lines = corpus.read_text().splitlines(keepends=True)
+    for name, (a, b) in zip(("m.jsonl", "b.jsonl", "x.jsonl"), ((0, 26), (26, 47), (47, 60))):
+        (d / name).write_text("".join(lines[a:b]))
+    return str(d / "*.jsonl")
+
+
+PARTITION_CASES = [  # (partitions, --keep-sequential-samples, --split-sentences, --workers)
+    (3, False, False, 2),
+    (4, True, False, 1),
+    (2, False, True, 1),
+    (7, False, False, 1),
+]
+
+
+@pytest.mark.parametrize("case", PARTITION_CASES, ids=lambda c: f"n{c[0]}-seq{int(c[1])}-split{int(c[2])}-w{c[3]}")
+def test_partitions_same_bytes_as_megatron(case, corpus_files, files, punkt_dir, tmp_path):
+    """Several input files, Megatron's glob order and partitions: each task size cuts the input into many tasks."""
+    n, keep, split, workers = case
+    kind, keys = "SentencePieceTokenizer", ("text", "title")
+    argv = ["--input", corpus_files, "--output-prefix", str(tmp_path / "cf"), "--tokenizer-type", kind,
+            *_tokenizer_flags(kind, files), "--json-keys", *keys, "--append-eod", "--partitions", str(n),
+            "--workers", str(workers), "--task-size", "3000"]  # fmt: skip
+    argv += ["--keep-sequential-samples"] * keep + ["--split-sentences"] * split
+    stats, plan = megatron.run(argv)
+    assert plan.deal == (1 if keep else n) and stats.tasks > 3
+
+    splitter = _reference_splitter(punkt_dir, False) if split else None
+    tokenizer = _megatron_tokenizer(kind, files, tmp_path)
+    _megatron_partitioned(corpus_files, tmp_path / "mg", tokenizer, keys, True, splitter, n, keep)
+    level = "sentence" if split else "document"
+    assert stats.outputs == [f"{tmp_path}/cf_{k}_{level}" for k in keys]
+    for key in keys:
+        _same_files(f"{tmp_path}/cf_{key}_{level}", f"{tmp_path}/mg_{key}_{level}")
+    assert sorted(p.name for p in tmp_path.glob("cf*")) == sorted(  # the staged input-order run is gone
+        [f"cf_{k}_{level}.{e}" for k in keys for e in ("bin", "idx")] + ["cf.preprocess.json"]
+    )
+
+
+def test_partitions_skip_deals_the_kept_records(files, tmp_path):
+    """--on-bad-line skip with round-robin partitions: Megatron's output for the input without the bad lines."""
+    good = [json.dumps({"text": f"Document {i}. It has two sentences."}) + "\n" for i in range(11)]
+    lines = good[:3] + ["{not json\n"] + good[3:8] + ['{"id": 1}\n'] + good[8:]
+    (tmp_path / "in.jsonl").write_text("".join(lines))
+    (tmp_path / "kept.jsonl").write_text("".join(good))
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "cf"), "--tokenizer-type",
+            "Llama2Tokenizer", *_tokenizer_flags("Llama2Tokenizer", files), "--partitions", "3", "--append-eod",
+            "--on-bad-line", "skip"]  # fmt: skip
+    stats, _ = megatron.run(argv)
+    assert stats.bad_records == 2
+    tokenizer = _megatron_tokenizer("Llama2Tokenizer", files, tmp_path)
+    _megatron_partitioned(str(tmp_path / "kept.jsonl"), tmp_path / "mg", tokenizer, ["text"], True, None, 3, False)
+    _same_files(f"{tmp_path}/cf_text_document", f"{tmp_path}/mg_text_document")
+
+
+def test_megatron_inputs_are_globs_order(corpus_files):
+    from corpusforge.megatron.partitions import megatron_inputs
+
+    assert megatron_inputs(corpus_files, 2) == tuple(glob.glob(corpus_files))  # not sorted: the directory's order
+    assert megatron_inputs(corpus_files, 1) == (corpus_files,)  # Megatron opens it as one path; corpusforge sorts
+    assert len(megatron_inputs(corpus_files, 3)) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# empty documents: Megatron tokenizes them (a document of no sequence, or what its tokenizer makes of the text)
+
+_EMPTY = ["", " ", "\n\n", "  \t "]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["document", "sentence"])
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer"])
+def test_empty_documents_as_megatron(kind, split, files, punkt_dir, tmp_path):
+    docs = _documents(12)
+    for i, d in enumerate(docs):
+        if i % 3 == 0:
+            d["text"] = _EMPTY[(i // 3) % len(_EMPTY)]
+        if i % 4 == 1:
+            d["title"] = _EMPTY[i % len(_EMPTY)]
+    lines = [json.dumps(d) + "\n" for d in docs]
+    (tmp_path / "e.jsonl").write_text("".join(lines))
+    keys = ("text", "title")
+    argv = ["--input", str(tmp_path / "e.jsonl"), "--output-prefix", str(tmp_path / "cf"), "--tokenizer-type", kind,
+            *_tokenizer_flags(kind, files), "--json-keys", *keys, "--append-eod"]  # fmt: skip
+    stats, _ = megatron.run(argv + ["--split-sentences"] * split)
+    assert stats.bad_records == 0 and stats.documents == len(docs)
+
+    splitter = _reference_splitter(punkt_dir, False) if split else None
+    _megatron_reference(lines, tmp_path / "mg", _megatron_tokenizer(kind, files, tmp_path), keys, True, splitter)
+    level = "sentence" if split else "document"
+    for key in keys:
+        _same_files(f"{tmp_path}/cf_{key}_{level}", f"{tmp_path}/mg_{key}_{level}")
+
+
+def test_empty_document_with_null_tokenizer_fails_as_in_megatron(tmp_path):
+    """NullTokenizer reads int(x) of every space-separated word: Megatron stops at an empty text, and so does this."""
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"text": "1 2"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    with pytest.raises(megatron.MegatronTokenizerError, match="space-separated integers"):
+        megatron.run(["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "cf"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the punkt source, the flags, the command line
 
 
@@ -395,7 +539,7 @@ def test_flags_that_cannot_be_honoured_exit_2_with_one_line(extra, words, tmp_pa
 
 def test_cli_same_as_module_and_corpusforge_flags(corpus, files, tmp_path):
     """`corpusforge megatron-preprocess` = `python -m corpusforge.megatron_preprocess`; --json carries the summary,
-    --resume of a finished run does nothing, --partitions without --keep-sequential-samples says what differs."""
+    --resume of a finished run does nothing, --partitions with --keep-sequential-samples keeps the input order."""
     from click.testing import CliRunner
 
     from corpusforge.cli import main
@@ -410,9 +554,9 @@ def test_cli_same_as_module_and_corpusforge_flags(corpus, files, tmp_path):
     summary = json.loads(r.stdout)
     assert summary["megatron"]["level"] == "sentence" and summary["megatron"]["punkt"].startswith("wheel:")
     res = CliRunner().invoke(main, ["megatron-preprocess", *argv, "--output-prefix", str(tmp_path / "b"),
-                                    "--partitions", "2", "--resume"])  # fmt: skip
+                                    "--partitions", "2", "--keep-sequential-samples", "--resume"])  # fmt: skip
     assert res.exit_code == 0, res.output
-    assert "--partitions 2 without --keep-sequential-samples" in res.stderr
+    assert json.loads(res.stdout)["megatron"]["partitions_dealt"] == 1  # contiguous partitions: input order
     _same_files(f"{tmp_path}/a_text_sentence", f"{tmp_path}/b_text_sentence")
     again = CliRunner().invoke(main, ["megatron-preprocess", *argv, "--output-prefix", str(tmp_path / "b"), "--resume"])
     assert again.exit_code == 0 and json.loads(again.stdout)["already_complete"] is True

@@ -13,7 +13,8 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.megatron import args as margs
-from corpusforge.preprocess import PreprocessStats, preprocess
+from corpusforge.megatron import preprocess_plan
+from corpusforge.preprocess import PreprocessStats
 
 
 @click.command(
@@ -35,7 +36,7 @@ def run(argv: list[str]) -> None:
     for note in plan.notes:
         click.echo(f"corpusforge: note: {note}", err=True)
     with _report.task_progress(_report.show_progress(args.progress)) as advance:
-        stats = preprocess(plan.config, on_progress=advance)
+        stats = preprocess_plan(plan, on_progress=advance)
     summary = stats.to_dict() | {"megatron": _megatron_facts(plan)}
     _report.print_summary("corpusforge megatron-preprocess", _rows(stats), summary if args.as_json else None)
     for warning in getattr(stats, "warnings", []):
@@ -48,6 +49,7 @@ def run(argv: list[str]) -> None:
 def _megatron_facts(plan: margs.Plan) -> dict:
     spec = plan.config.tokenizer_factory
     facts = {"tokenizer_type": spec.tokenizer_type, "level": plan.config.level, "notes": list(plan.notes)}
+    facts["partitions_dealt"] = plan.deal
     if spec.split_language is not None:
         from corpusforge.megatron.sentences import load_splitter
 

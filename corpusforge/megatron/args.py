@@ -8,12 +8,11 @@ be honoured ends the run with one line saying which and why (exit 2), never sile
 How the flags that tune Megatron's process model map:
 
     --workers N            worker processes (corpusforge's --workers); optional here (default: every core)
-    --partitions N         Megatron cuts the input into N files; corpusforge cuts it into tasks itself, and its
-                           output is always in input order. Megatron deals lines round-robin to the partitions
-                           and concatenates them, so without --keep-sequential-samples its output interleaves
-                           the input: that order is not reproduced, and a note on stderr says so
-    --keep-sequential-samples  Megatron's partitions become contiguous runs of lines, its output is in input
-                           order: what corpusforge always writes, so accepted
+    --partitions N         Megatron reads glob.glob(--input) in glob's order and cuts the lines into N files
+                           that it tokenizes alone and merges; corpusforge cuts the input into tasks itself and
+                           writes Megatron's document order: lines dealt round-robin, so partition 0's documents
+                           (lines 0, N, 2N, ...) first (corpusforge.megatron.partitions)
+    --keep-sequential-samples  Megatron's partitions become contiguous runs of lines: input order, glob's file order
     --log-interval N       Megatron prints every N documents; corpusforge's progress is --progress
     --find-optimal-num-workers, --workers-to-check, --max-documents: a search over worker counts that writes no
                            dataset: refused (exit 2)
@@ -31,6 +30,7 @@ import argparse
 from dataclasses import dataclass
 
 from corpusforge.errors import CorpusforgeError
+from corpusforge.megatron.partitions import megatron_inputs
 from corpusforge.megatron.tokenizers import SUPPORTED_TYPES, UNSUPPORTED_TYPES, MegatronTokenizerSpec
 from corpusforge.preprocess import PreprocessConfig
 
@@ -185,6 +185,9 @@ class Plan:
 
     config: PreprocessConfig
     notes: tuple[str, ...] = ()
+    deal: int = 1
+    """--partitions N without --keep-sequential-samples: the documents go in Megatron's round-robin order over N
+    partitions (corpusforge.megatron.partitions); 1: input order."""
 
 
 def to_config(args: argparse.Namespace) -> PreprocessConfig:
@@ -212,7 +215,7 @@ def plan(args: argparse.Namespace) -> Plan:
         keep_newlines=args.keep_newlines,
     )
     config = PreprocessConfig(
-        inputs=(args.input,),
+        inputs=megatron_inputs(args.input, args.partitions),
         output_prefix=args.output_prefix,
         json_keys=tuple(args.json_keys),
         tokenizer=args.tokenizer_model or args.vocab_file,
@@ -227,12 +230,7 @@ def plan(args: argparse.Namespace) -> Plan:
         retries=args.retries,
         level="sentence" if args.split_sentences else "document",
         tokenizer_factory=spec,
+        keep_empty=True,  # Megatron tokenizes an empty text: a document of no sequence, or its tokenizer's BOS
     )
-    notes = []
-    if args.partitions > 1 and not args.keep_sequential_samples:
-        notes.append(
-            f"--partitions {args.partitions} without --keep-sequential-samples: Megatron would interleave the "
-            "documents round-robin across partitions; corpusforge writes them in input order (as "
-            "--keep-sequential-samples does)"
-        )
-    return Plan(config, tuple(notes))
+    deal = args.partitions if args.partitions > 1 and not args.keep_sequential_samples else 1
+    return Plan(config, deal=deal)

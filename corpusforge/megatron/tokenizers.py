@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, first_line
 from corpusforge.sources import text_list
 
 # Megatron-LM's tokenizer types (--tokenizer-type choices, HEAD): the ones this mode writes, and why not the rest.
@@ -257,9 +257,8 @@ class _HFTexts(_Texts):
         try:  # local_files_only: a directory, or a Hub id already in the local cache; never a download
             return transformers.AutoTokenizer.from_pretrained(model, local_files_only=True, **kwargs)
         except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise MegatronTokenizerError(
-                f"--tokenizer-model {model}: transformers cannot load it offline ({first[:200]}); pass a local "
+                f"--tokenizer-model {model}: transformers cannot load it offline ({first_line(e)[:200]}); pass a local "
                 "directory with the tokenizer files (save_pretrained), corpusforge never downloads from the Hub"
             ) from None
 
