@@ -1,8 +1,10 @@
 """bench-io: what a storage path really delivers to LLM training (throughput, latency tails, stalls, hangs).
 
-Modules, one job each: config (options), patterns (the I/O run in worker processes), runner (checks, workers,
-watchdog, cleanup), search (training emulation), objstore (s3:// and other fsspec URLs), stats (rows),
-report (table, JSON, plot), ranks (torchrun / srun).
+Modules, one job each, in import order (each imports only those above it): config (options), ranks (torchrun /
+srun), patterns (the I/O run in worker processes), objstore (the same against s3:// and other fsspec URLs), stats
+(rows), results (what a run found: rows, path notes, summaries), search (training emulation's search), guard (the
+storage touched from a child with a time limit), runner (checks, workers, watchdog, cleanup), report (table, JSON,
+plot).
 
 Example:
     >>> from corpusforge.iobench import BenchConfig, run_bench

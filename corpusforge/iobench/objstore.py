@@ -10,28 +10,13 @@ same watched worker processes as on a file system.
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from corpusforge.errors import MissingExtraError
 from corpusforge.iobench import patterns
-from corpusforge.iobench.patterns import Beat, Case, Phase, checkpoint_shapes
-
-if TYPE_CHECKING:
-    from corpusforge.iobench.runner import Run
-
-
-def filesystem(url: str, options: tuple[tuple[str, str], ...]):
-    """A fresh fsspec file system for `url` (workers are forked: never a cached instance), made the way
-    corpusforge.storage makes the loaders' (endpoint_url for S3-compatible stores such as Ceph RGW)."""
-    from corpusforge.storage import filesystem as make
-
-    try:
-        return make(url, dict(options))
-    except ImportError as e:
-        raise MissingExtraError(f"{url}: {e}") from None
+from corpusforge.iobench.patterns import Beat, Case, Phase, checkpoint_shapes, filesystem
 
 
 def _fs(case: Case):
@@ -129,23 +114,21 @@ def measure_metadata(case: Case, slot: int, beat: Beat) -> list[Phase]:
     c, fs = case.config, _fs(case)
     names = [f"{case.scratch}/meta-{slot}/f{i:07d}" for i in range(c.metadata_files)]
     body = b"x" * c.metadata_file_size
-    ops = (("create", lambda p: fs.pipe_file(p, body)), ("stat", fs.info), ("open", fs.cat_file), ("delete", fs.rm))
-    phases = []
-    for name, op in ops:
-        phase = Phase(name)
-        beat.phase(patterns.PHASE_CODES.index(name))
-        phase.start = time.perf_counter()
-        for p in names:
-            t0 = time.perf_counter()
-            beat.times[beat.local] = t0
-            out = op(p)
-            phase.latencies.append(time.perf_counter() - t0)
-            beat.times[beat.local] = 0.0
-            phase.bytes += len(body) if name == "create" else len(out) if name == "open" else 0
-        phase.end = time.perf_counter()
-        phase.ops = len(phase.latencies)
-        phases.append(phase)
-    return phases
+
+    def create(p: str) -> int:
+        fs.pipe_file(p, body)
+        return len(body)
+
+    def stat(p: str) -> int:
+        fs.info(p)
+        return 0
+
+    def delete(p: str) -> int:
+        fs.rm(p)
+        return 0
+
+    ops = (("create", create), ("stat", stat), ("open", lambda p: len(fs.cat_file(p))), ("delete", delete))
+    return patterns.timed_phases(beat, ops, names)
 
 
 def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
@@ -161,15 +144,15 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     write.end = time.perf_counter()
     write.extra["durable_s"] = write.end - write.start  # an object is durable once its upload completes
     beat.phase(patterns.PHASE_CODES.index("read"))
-    read.start, offset, back = time.perf_counter(), 0, []
-    for t in tensors:
-        t0 = time.perf_counter()
-        beat.times[beat.local] = t0
-        back.append(fs.cat_file(path, start=offset, end=offset + len(t)))
-        read.latencies.append(time.perf_counter() - t0)
-        beat.times[beat.local] = 0.0
-        offset += len(t)
-        read.bytes += len(back[-1])
+    back: list[bytes] = []
+
+    def get(span: tuple[int, int]) -> int:  # one tensor, by a ranged GET
+        back.append(fs.cat_file(path, start=span[0], end=span[1]))
+        return len(back[-1])
+
+    ends = list(itertools.accumulate(len(t) for t in tensors))
+    read.start = time.perf_counter()
+    patterns.timed_ops(read, beat, get, zip([0, *ends[:-1]], ends))
     read.end = time.perf_counter()
     if back != tensors:
         raise OSError(f"{path}: the checkpoint read back differs from what was written")
@@ -177,60 +160,20 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     return [write, read]
 
 
-# replay and train are the loader's own reads, whatever the storage: the same functions as on a file system
-PREPARE = {
-    "seq-read": prepare_read_object,
-    "rand-read": prepare_read_object,
-    "replay": patterns.prepare_loader,
-    "train": patterns.prepare_loader,
-}
-MEASURE = {
+# replay and train are the loader's own reads, whatever the storage: the file system's table, with the object
+# store's own functions for the rest
+PREPARE = patterns.PREPARE | {"seq-read": prepare_read_object, "rand-read": prepare_read_object}
+MEASURE = patterns.MEASURE | {
     "seq-read": measure_seq_read,
     "rand-read": measure_rand_read,
     "seq-write": measure_seq_write,
     "metadata": measure_metadata,
     "checkpoint": measure_checkpoint,
-    "replay": patterns.measure_replay,
-    "train": patterns.measure_train,
 }
 
 
-def _remove(url: str, options) -> None:
+def remove(url: str, options) -> None:
+    """Remove everything under `url` (the run's objects); the runner calls it in a child process."""
     fs = filesystem(url, options)
     if fs.exists(url):
         fs.rm(url, recursive=True)
-
-
-def run_object_store(run: Run, url: str) -> None:
-    """Every configured pattern on `url`; the run's objects live under URL/.corpusforge-bench-<id>/ and are removed."""
-    import multiprocessing as mp
-    import shutil
-    import uuid
-
-    from corpusforge.iobench.runner import PathInfo
-
-    c = run.config
-    root = run.ranks.broadcast(f"{url.rstrip('/')}/.corpusforge-bench-{uuid.uuid4().hex[:12]}")
-    info = PathInfo(
-        url,
-        url.split("://", 1)[0],
-        False,
-        "not applicable (object store)",
-        0,
-        ["object store: ranged GETs through fsspec, no client page cache"],
-    )
-    run.paths.append(info)
-    try:
-        for pattern in c.patterns:
-            if not run.run_pattern(url, root, info, pattern):
-                break
-    finally:
-        run.ranks.barrier()
-        if run.ranks.rank == 0:
-            proc = mp.get_context("fork").Process(target=_remove, args=(root, c.storage_options), daemon=True)
-            proc.start()
-            proc.join(c.hang_seconds)
-            if proc.is_alive() or proc.exitcode:
-                proc.kill()
-                run.leftovers.append(root)
-        shutil.rmtree(patterns.local_dir(root), ignore_errors=True)  # the loaders' index caches, on every rank

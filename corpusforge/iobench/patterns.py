@@ -16,14 +16,16 @@ import os
 import tempfile
 import time
 from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from corpusforge.errors import MissingExtraError
 from corpusforge.iobench.config import BenchConfig, is_url
-from corpusforge.pagecache import drop_page_cache
+from corpusforge.storage.pagecache import drop_page_cache
 
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks
 FILL_CHUNK = 1 << 20  # bytes per write when preparing read files
@@ -76,6 +78,38 @@ PHASE_CODES = ["prepare", "read", "write", "fsync", "create", "stat", "open", "d
 
 def _code(name: str) -> int:
     return PHASE_CODES.index(name)
+
+
+def timed_ops(phase: Phase, beat: Beat, op: Callable[[Any], int], items: Iterable[Any]) -> None:
+    """`op(item)` for every item, each one timed op: the beat holds its start while it runs (the watchdog's view),
+    the phase gets its bytes (what `op` returns) and its latency. For ops of microseconds, write the loop bare
+    instead (see _timed_reads).
+
+    Example:
+        >>> timed_ops(phase, beat, lambda t: f.write(memoryview(t).cast("B")), tensors)
+    """
+    times, me, latencies = beat.times, beat.local, phase.latencies
+    for item in items:
+        t0 = time.perf_counter()
+        times[me] = t0
+        phase.bytes += op(item)
+        t1 = time.perf_counter()
+        times[me] = 0.0
+        latencies.append(t1 - t0)
+
+
+def timed_phases(beat: Beat, ops: Iterable[tuple[str, Callable[[Any], int]]], items: list[Any]) -> list[Phase]:
+    """One phase per (name, op): `op` over every item with timed_ops (metadata: create, stat, open, delete)."""
+    phases = []
+    for name, op in ops:
+        phase = Phase(name)
+        beat.phase(_code(name))
+        phase.start = time.perf_counter()
+        timed_ops(phase, beat, op, items)
+        phase.end = time.perf_counter()
+        phase.ops = len(phase.latencies)
+        phases.append(phase)
+    return phases
 
 
 # -- files --------------------------------------------------------------------------------------------------------
@@ -236,7 +270,6 @@ def measure_metadata(case: Case, slot: int, beat: Beat) -> list[Phase]:
     os.makedirs(folder, exist_ok=True)
     names = [os.path.join(folder, f"f{i:07d}") for i in range(c.metadata_files)]
     body = b"x" * c.metadata_file_size
-    times, me = beat.times, beat.local
 
     def create(p: str) -> int:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -258,23 +291,7 @@ def measure_metadata(case: Case, slot: int, beat: Beat) -> list[Phase]:
         os.unlink(p)
         return 0
 
-    phases = []
-    for name, op in (("create", create), ("stat", stat), ("open", read), ("delete", delete)):
-        phase = Phase(name)
-        beat.phase(_code(name))
-        lat = phase.latencies
-        phase.start = time.perf_counter()
-        for p in names:
-            t0 = time.perf_counter()
-            times[me] = t0
-            phase.bytes += op(p)
-            t1 = time.perf_counter()
-            times[me] = 0.0
-            lat.append(t1 - t0)
-        phase.end = time.perf_counter()
-        phase.ops = len(lat)
-        phases.append(phase)
-    return phases
+    return timed_phases(beat, (("create", create), ("stat", stat), ("open", read), ("delete", delete)), names)
 
 
 # -- checkpoint -------------------------------------------------------------------------------------------------------
@@ -309,11 +326,7 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     with open(path, "wb", buffering=0) as f:
         beat.phase(_code("write"))
         write.start = time.perf_counter()
-        for t in tensors:
-            t0 = time.perf_counter()
-            times[me] = t0
-            write.bytes += f.write(memoryview(t).cast("B"))
-            write.latencies.append(time.perf_counter() - t0)
+        timed_ops(write, beat, lambda t: f.write(memoryview(t).cast("B")), tensors)
         write.end = sync.start = time.perf_counter()
         beat.phase(_code("fsync"))
         times[me] = sync.start
@@ -329,13 +342,8 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     with open(path, "rb", buffering=0) as f:
         beat.phase(_code("read"))
         read.start = time.perf_counter()
-        for o in out:
-            t0 = time.perf_counter()
-            times[me] = t0
-            read.bytes += f.readinto(memoryview(o).cast("B"))
-            read.latencies.append(time.perf_counter() - t0)
+        timed_ops(read, beat, lambda o: f.readinto(memoryview(o).cast("B")), out)
         read.end = time.perf_counter()
-        times[me] = 0.0
     if not all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(tensors, out)):  # NaN-safe
         raise OSError(f"{path}: the checkpoint read back differs from what was written")
     for p in (write, sync, read):
@@ -344,6 +352,17 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
 
 
 # -- replay and train: the real loader ---------------------------------------------------------------------------------
+
+
+def filesystem(url: str, options: tuple[tuple[str, str], ...]):
+    """A fresh fsspec file system for `url` (workers are forked: never a cached instance), made the way
+    corpusforge.storage makes the loaders' (endpoint_url for S3-compatible stores such as Ceph RGW)."""
+    from corpusforge.storage import filesystem as make
+
+    try:
+        return make(url, dict(options))
+    except ImportError as e:
+        raise MissingExtraError(f"{url}: {e}") from None
 
 
 def dataset_prefix(case: Case) -> str:
@@ -381,8 +400,6 @@ def make_synthetic_dataset(prefix: str, tokens: int, seed: int, storage_options:
         if not exists(prefix):
             _write_synthetic(prefix, tokens, seed)
         return
-    from corpusforge.iobench.objstore import filesystem
-
     fs = filesystem(prefix, storage_options)
     if fs.exists(f"{prefix}.idx"):
         return

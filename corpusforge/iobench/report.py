@@ -12,14 +12,15 @@ from typing import Any
 import numpy as np
 
 from corpusforge.errors import MissingExtraError
+from corpusforge.fsutil import write_json_atomic
 from corpusforge.iobench.config import human_bytes
-from corpusforge.iobench.runner import Run
+from corpusforge.iobench.results import RunResults
 from corpusforge.iobench.stats import CaseResult
 
 REPORT_VERSION = 1
 
 
-def verdict(run: Run) -> tuple[str, int]:
+def verdict(run: RunResults) -> tuple[str, int]:
     """(one line, exit status): 0 all ok, 4 stalls, 5 a path hung, 1 an operation failed."""
     rows = run.results
     hung = [r for r in rows if r.verdict == "hung"]
@@ -52,7 +53,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-def to_json(run: Run) -> dict[str, Any]:
+def to_json(run: RunResults) -> dict[str, Any]:
     line, status = verdict(run)
     return {
         "version": REPORT_VERSION,
@@ -68,11 +69,9 @@ def to_json(run: Run) -> dict[str, Any]:
     }
 
 
-def write_json(run: Run, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(to_json(run), f, indent=1)
-    os.replace(tmp, path)
+def write_json(run: RunResults, path: str) -> None:
+    """The report as JSON at `path`, whole or not at all (a temporary file beside it, fsynced, renamed)."""
+    write_json_atomic(path, to_json(run), indent=1)
 
 
 def load_results(path: str) -> list[CaseResult]:
@@ -143,7 +142,7 @@ def table_rows(results: list[CaseResult]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def print_table(run: Run, console=None) -> None:
+def print_table(run: RunResults, console=None) -> None:
     import sys
 
     from rich.console import Console

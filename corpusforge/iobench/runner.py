@@ -21,13 +21,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import die_with_parent
 from corpusforge.iobench import guard, patterns
 from corpusforge.iobench.config import BenchConfig, human_bytes, is_url
 from corpusforge.iobench.ranks import Ranks
+from corpusforge.iobench.results import PathInfo, RunResults
+from corpusforge.iobench.search import search_accelerators
 from corpusforge.iobench.stats import CaseResult, aggregate
 
 Events = Callable[[str], None] | None
@@ -90,9 +91,7 @@ def check_dataset(prefix: str, storage_options: tuple[tuple[str, str], ...]) -> 
     """Raise BenchError unless PREFIX.bin and PREFIX.idx exist (a local prefix or an fsspec URL)."""
     names = [f"{prefix}.bin", f"{prefix}.idx"]
     if is_url(prefix):
-        from corpusforge.iobench.objstore import filesystem
-
-        fs = filesystem(prefix, storage_options)
+        fs = patterns.filesystem(prefix, storage_options)
         missing = [n for n in names if not fs.exists(n)]
     else:
         missing = [n for n in names if not os.path.isfile(n)]
@@ -281,21 +280,6 @@ def _check_dead(workers, got, out, outcome: CaseOutcome) -> None:
 # -- a whole run ------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PathInfo:
-    """What the report says about the measured path and how the page cache was handled."""
-
-    path: str
-    fs: str
-    direct: bool  # O_DIRECT in effect for seq/rand patterns
-    direct_note: str
-    memory: int
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-
 def cache_note(info: PathInfo, case: patterns.Case) -> str:
     c = case.config
     if case.pattern in ("metadata",):
@@ -317,16 +301,13 @@ def cache_note(info: PathInfo, case: patterns.Case) -> str:
     return what
 
 
-class Run:
-    """One bench-io run over the configured paths: owns the run directories and removes them."""
+class Run(RunResults):
+    """One bench-io run over the configured paths: runs the cases into its results, owns the run directories and
+    removes them."""
 
     def __init__(self, config: BenchConfig, ranks: Ranks | None = None, on_event: Events = None) -> None:
-        self.config, self.on_event = config, on_event
-        self.ranks = ranks or Ranks.detect()
-        self.results: list[CaseResult] = []
-        self.paths: list[PathInfo] = []
-        self.leftovers: list[str] = []
-        self.summaries: list[tuple[str, str]] = []  # (path, one line): e.g. accelerators fed
+        super().__init__(config, ranks or Ranks.detect())
+        self.on_event = on_event
 
     def event(self, text: str) -> None:
         if self.on_event and self.ranks.rank == 0:
@@ -341,9 +322,7 @@ class Run:
                 raise BenchError(f"{e}; is the mount alive?") from None
         for path in self.config.paths:
             if is_url(path):
-                from corpusforge.iobench.objstore import run_object_store
-
-                run_object_store(self, path)
+                self._run_url(path)
             else:
                 self._run_path(path)
         return self.results
@@ -388,6 +367,38 @@ class Run:
                 self.leftovers.append(run_dir)
                 self.event(f"could not remove {run_dir}: the storage did not answer within {c.hang_seconds:g} s")
 
+    def _run_url(self, url: str) -> None:
+        """Every configured pattern on an object store `url`; the run's objects live under
+        URL/.corpusforge-bench-<id>/ and are removed (from a child process: a store that stops answering leaves
+        them, listed in leftovers)."""
+        from corpusforge.iobench.objstore import remove
+
+        c = self.config
+        root = self.ranks.broadcast(f"{url.rstrip('/')}/.corpusforge-bench-{uuid.uuid4().hex[:12]}")
+        info = PathInfo(
+            url,
+            url.split("://", 1)[0],
+            False,
+            "not applicable (object store)",
+            0,
+            ["object store: ranged GETs through fsspec, no client page cache"],
+        )
+        self.paths.append(info)
+        try:
+            for pattern in c.patterns:
+                if not self.run_pattern(url, root, info, pattern):
+                    break
+        finally:
+            self.ranks.barrier()
+            if self.ranks.rank == 0:
+                proc = mp.get_context("fork").Process(target=remove, args=(root, c.storage_options), daemon=True)
+                proc.start()
+                proc.join(c.hang_seconds)
+                if proc.is_alive() or proc.exitcode:
+                    proc.kill()
+                    self.leftovers.append(root)
+            shutil.rmtree(patterns.local_dir(root), ignore_errors=True)  # the loaders' index caches, on every rank
+
     def _cases(self, path: str, run_dir: str, info: PathInfo, pattern: str) -> list[patterns.Case]:
         c = self.config
         sizes = c.block_sizes if pattern in ("seq-read", "seq-write") else (c.sample_size,)
@@ -404,9 +415,7 @@ class Run:
         if pattern in ("replay", "train") and not self.config.dataset:
             self._synthetic(run_dir, info)
         if pattern == "train":
-            from corpusforge.iobench.search import search_accelerators
-
-            return search_accelerators(self, path, run_dir, info)
+            return self._search_accelerators(path, run_dir, info)
         for case in self._cases(path, run_dir, info, pattern):
             result = self.run_one(case, path, info)
             if result.verdict in ("hung", "error"):
@@ -425,6 +434,28 @@ class Run:
         results = self.ranks.broadcast(results)
         self.results += results
         return results[-1] if results else CaseResult.failed(case, path, "error", "no result")
+
+    def _search_accelerators(self, path: str, run_dir: str, info: PathInfo) -> bool:
+        """Train emulation (search.py): one row per tried count, the count fed on each; False if the path hung or
+        failed."""
+        c, world = self.config, self.ranks.world
+
+        def trial(per_rank: int) -> float | None:
+            scratch = os.path.join(run_dir, f"train-{per_rank}")
+            case = patterns.Case("train", run_dir, scratch, per_rank, world, c.sample_size, False, c)
+            row = self.run_one(case, path, info)
+            return None if row.verdict in ("hung", "error") else row.extra.get("utilization", 0.0)
+
+        found = search_accelerators(trial, world, c.target_utilization, c.max_accelerators)
+        if found is None:
+            return False
+        fed, summary = found
+        for row in self.results:
+            if row.pattern == "train" and row.path == path:
+                row.extra["fed_accelerators"] = fed
+        self.event(summary)
+        self.summaries.append((path, summary))
+        return True
 
     def _synthetic(self, run_dir: str, info: PathInfo) -> None:
         prefix = os.path.join(run_dir, "data", "synthetic_text_document")
