@@ -206,7 +206,7 @@ TEXTS = ["the quick brown fox jumps over the lazy dog " * 3, "pack my box with f
 def _own_tokenizer_dataset(root):
     """A dataset preprocessed with a tokenizer.json trained here (run from its own directory, with a relative path),
     so that decoding with the default cl100k_base would print other text."""
-    from corpusforge.tokenizer_training import train_tokenizer
+    from corpusforge.tokenizers.training import train_tokenizer
 
     train_tokenizer(TEXTS * 50, 300, root / "tok.json", kind="bpe")
     (root / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -244,7 +244,7 @@ def test_decode_uses_the_recorded_tokenizer(own_tokenizer_dataset, tmp_path, whe
 
 def test_decode_refuses_a_changed_or_missing_tokenizer(tmp_path):
     copy = _own_tokenizer_dataset(tmp_path)
-    from corpusforge.tokenizer_training import train_tokenizer
+    from corpusforge.tokenizers.training import train_tokenizer
 
     train_tokenizer(TEXTS * 50, 280, copy / "tok.json", kind="bpe")  # another tokenizer under the recorded path
     run = _inspect("out/c_text_document", "--decode", "1", cwd=copy)

@@ -1,4 +1,4 @@
-"""corpusforge.tokenizer_training: trained tokenizers load on both engines with identical tokens; clear errors."""
+"""corpusforge.tokenizers.training: trained tokenizers load on both engines with identical tokens; clear errors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from corpusforge.tokenizer_training import TrainStats, train_tokenizer
 from corpusforge.tokenizers import TokenizerError, load_tokenizer
+from corpusforge.tokenizers.training import TrainStats, train_tokenizer
 
 SAMPLES = [
     "",

@@ -17,8 +17,8 @@ import pytest
 
 from corpusforge import tokenizers as tk
 from corpusforge.jsonl_field import SEPARATOR, JoinedTexts
-from corpusforge.tokenizer_training import train_tokenizer
-from corpusforge.tokenizers import TokenizerError, load_tokenizer
+from corpusforge.tokenizers import TokenizerError, load_tokenizer, tiktoken_format
+from corpusforge.tokenizers.training import train_tokenizer
 
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
@@ -173,12 +173,12 @@ def test_cl100k_equals_tiktoken_encode_ordinary():
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    path = tk._packaged_file("cl100k_base")
+    path = tiktoken_format._packaged_file("cl100k_base")
     enc = tiktoken.Encoding(
         "cl100k",
-        pat_str=tk._CL100K_PAT,
+        pat_str=tiktoken_format._CL100K_PAT,
         mergeable_ranks=load_tiktoken_bpe(str(path), CL100K_SHA256),
-        special_tokens=tk._ENCODINGS["cl100k_base"].special_tokens,
+        special_tokens=tiktoken_format.ENCODINGS["cl100k_base"].special_tokens,
     )
     tok = load_tokenizer("cl100k_base", engine="gigatoken")
     assert _split(*tok.encode_batch(VARIED)) == [enc.encode_ordinary(t) for t in VARIED]
@@ -193,23 +193,23 @@ def test_lone_surrogates_become_replacement_char(spec):
         assert _split(*tok.encode_batch(texts)) == _split(*tok.encode_batch(want))
 
 
-# The engine in a worker process hands back its buffers without importing awkward (corpusforge/_flat_rows.py).
+# The engine in a worker process hands back its buffers without importing awkward (corpusforge/tokenizers/flat_rows.py).
 # Run in a fresh interpreter: this one has long imported awkward, which switches the stand-in off.
 _FRESH_ENCODE = """
 import json, sys
 import numpy as np
-from corpusforge import _flat_rows
+from corpusforge.tokenizers import flat_rows
 from corpusforge.tokenizers import load_tokenizer
 spec, texts_file, out_file, mode = sys.argv[1:]
 texts = json.load(open(texts_file))
 tok = load_tokenizer(spec, engine="gigatoken", threads=False)
 if mode == "newer-gigatoken":  # a call that asks the stand-in for more than unflatten
-    assert _flat_rows.flat_rows(lambda: __import__("awkward").from_iter([[1]])) is None
-    assert not _flat_rows.usable() and "awkward" not in sys.modules
+    assert flat_rows.flat_rows(lambda: __import__("awkward").from_iter([[1]])) is None
+    assert not flat_rows.usable() and "awkward" not in sys.modules
 ids, lengths = tok.encode_batch(texts)
 ids2, lengths2 = tok.encode_batch(texts[:3])  # again: gigatoken imports "awkward" afresh on every call
 np.savez(out_file, ids=ids, lengths=lengths, ids2=ids2, lengths2=lengths2)
-print(json.dumps({"awkward_imported": "awkward" in sys.modules, "usable": _flat_rows.usable()}))
+print(json.dumps({"awkward_imported": "awkward" in sys.modules, "usable": flat_rows.usable()}))
 """
 
 
@@ -310,21 +310,21 @@ def test_default_is_cl100k_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
     tok = load_tokenizer()
     assert (tok.name, tok.backend, tok.vocab_size, tok.eod_id) == ("cl100k_base", "gigatoken", 100277, 100257)
-    assert hashlib.sha256(tk._packaged_file("cl100k_base").read_bytes()).hexdigest() == CL100K_SHA256
+    assert hashlib.sha256(tiktoken_format._packaged_file("cl100k_base").read_bytes()).hexdigest() == CL100K_SHA256
     assert _split(*tok.encode_batch(["hello world"])) == [[15339, 1917]]
     assert not (tmp_path / "empty-cache").exists()  # nothing written to tiktoken's cache either
 
 
 def test_rank_file_by_path(tmp_path):
     copy = tmp_path / "cl100k_base.tiktoken"
-    shutil.copy(tk._packaged_file("cl100k_base"), copy)
+    shutil.copy(tiktoken_format._packaged_file("cl100k_base"), copy)
     tok = load_tokenizer(str(copy))
     assert tok.name == str(copy) and tok.vocab_size == 100277
     assert tok.fingerprint == load_tokenizer("cl100k_base").fingerprint  # same bytes, same scheme
 
 
 def test_tampered_rank_file_is_refused(tmp_path):
-    data = bytearray(tk._packaged_file("cl100k_base").read_bytes())
+    data = bytearray(tiktoken_format._packaged_file("cl100k_base").read_bytes())
     data[100] ^= 1
     copy = tmp_path / "cl100k_base.tiktoken"
     copy.write_bytes(bytes(data))
@@ -335,16 +335,16 @@ def test_tampered_rank_file_is_refused(tmp_path):
 
 def test_tampered_packaged_file_is_refused(tmp_path, monkeypatch):
     bad = tmp_path / "cl100k_base.tiktoken"
-    bad.write_bytes(tk._packaged_file("cl100k_base").read_bytes()[:-10])
-    monkeypatch.setattr(tk, "_packaged_file", lambda name: bad)
+    bad.write_bytes(tiktoken_format._packaged_file("cl100k_base").read_bytes()[:-10])
+    monkeypatch.setattr(tiktoken_format, "_packaged_file", lambda name: bad)
     with pytest.raises(TokenizerError, match="reinstall") as err:
         load_tokenizer()
     _assert_one_line(err.value)
 
 
 def test_tiktoken_cache_is_used_when_present(tmp_path, monkeypatch):
-    encoding = tk._ENCODINGS["cl100k_base"]
-    monkeypatch.setattr(tk, "_packaged_file", lambda name: None)
+    encoding = tiktoken_format.ENCODINGS["cl100k_base"]
+    monkeypatch.setattr(tiktoken_format, "_packaged_file", lambda name: None)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     with pytest.raises(TokenizerError, match=encoding.cache_name):
         load_tokenizer("cl100k_base")
@@ -368,13 +368,13 @@ def test_cache_dir_follows_tiktoken(monkeypatch, tmp_path):
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "a"))
     monkeypatch.setenv("DATA_GYM_CACHE_DIR", str(tmp_path / "b"))
-    assert tk._tiktoken_cache_dir() == tmp_path / "a"
+    assert tiktoken_format._tiktoken_cache_dir() == tmp_path / "a"
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
-    assert tk._tiktoken_cache_dir() == tmp_path / "b"
+    assert tiktoken_format._tiktoken_cache_dir() == tmp_path / "b"
     monkeypatch.setenv("DATA_GYM_CACHE_DIR", "")
-    assert tk._tiktoken_cache_dir() is None
+    assert tiktoken_format._tiktoken_cache_dir() is None
     url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
-    assert tk._ENCODINGS["o200k_base"].cache_name == hashlib.sha1(url.encode()).hexdigest()
+    assert tiktoken_format.ENCODINGS["o200k_base"].cache_name == hashlib.sha1(url.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def _assert_one_line(err: Exception) -> None:
 def test_encoding_not_available_offline(name, monkeypatch, tmp_path):
     monkeypatch.setattr(socket.socket, "connect", lambda *a: pytest.fail("network"))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    encoding = tk._ENCODINGS[tk._ALIASES.get(name, name)]
+    encoding = tiktoken_format.ENCODINGS[tiktoken_format._ALIASES.get(name, name)]
     with pytest.raises(TokenizerError) as err:
         load_tokenizer(name)
     message = str(err.value)

@@ -27,7 +27,7 @@ def train_tokenizer_cmd(inputs, vocab_size, output, kind, json_keys, max_mb, as_
     from dataclasses import asdict
 
     from corpusforge.sources import expand_inputs, iter_texts
-    from corpusforge.tokenizer_training import train_tokenizer
+    from corpusforge.tokenizers.training import train_tokenizer
 
     texts = iter_texts(expand_inputs(inputs), json_keys, max_bytes=max_mb << 20 if max_mb else None)
     stats = train_tokenizer(texts, vocab_size, output, kind=kind)

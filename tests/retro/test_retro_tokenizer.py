@@ -8,7 +8,7 @@ import pytest
 
 from corpusforge.preprocess import PreprocessConfig, preprocess
 from corpusforge.retro.build import resolve_tokenizer
-from corpusforge.tokenizer_training import train_tokenizer
+from corpusforge.tokenizers.training import train_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"]
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 import io
 import itertools
 import os
-import secrets
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from corpusforge.indexed import fsync_dir
-from corpusforge.tokenizers import TokenizerError
+from corpusforge.fsutil import write_bytes_atomic
+from corpusforge.tokenizers.base import TokenizerError
 
 __all__ = ["KINDS", "TrainStats", "train_tokenizer"]
 
@@ -106,7 +105,8 @@ def train_tokenizer(
         data, actual = _train_bpe(counter, vocab_size, specials)
     else:
         data, actual = _train_sentencepiece(counter, vocab_size, specials)
-    _atomic_write(output, data)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(output, data)  # created 0o666 minus the umask: other users and jobs read the tokenizer
     return TrainStats(kind, counter.documents, counter.bytes, time.perf_counter() - start, actual, output)
 
 
@@ -206,20 +206,3 @@ def _train_sentencepiece(counter: _Counter, vocab_size: int, specials: list[str]
     data = model.getvalue()
     processor = sentencepiece.SentencePieceProcessor(model_proto=data)
     return data, processor.get_piece_size()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # os.open with 0o666, not mkstemp's 0o600: the tokenizer is read by other users and jobs (umask applies).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
