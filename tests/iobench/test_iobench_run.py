@@ -12,7 +12,10 @@ from iobench_helpers import tiny
 
 from corpusforge.iobench import patterns, report, runner
 from corpusforge.iobench.config import KiB, MiB
+from corpusforge.iobench.ranks import Ranks
+from corpusforge.iobench.results import PathInfo, RunResults
 from corpusforge.iobench.runner import BenchError, run_bench, run_case
+from corpusforge.iobench.search import search_accelerators
 from corpusforge.iobench.stats import CaseResult
 
 
@@ -56,6 +59,19 @@ def test_json_report_round_trips_and_says_how_the_cache_was_handled(tmp_path):
     assert doc["paths"][0]["direct_note"]
     again = report.load_results(str(tmp_path / "r.json"))
     assert again[0].mb_s == run.results[0].mb_s and again[0].latency_ms == run.results[0].latency_ms
+
+
+def test_a_json_report_that_fails_midway_leaves_the_old_one_and_no_temporary(tmp_path):
+    target = tmp_path / "r.json"
+    target.write_text('{"old": 1}')
+    run = RunResults(tiny(tmp_path), Ranks())
+    run.paths.append(PathInfo(str(tmp_path), "ext4", True, "in effect", 1 << 30, notes=[object()]))  # not JSON
+    with pytest.raises(TypeError):
+        report.write_json(run, str(target))
+    assert sorted(os.listdir(tmp_path)) == ["r.json"] and target.read_text() == '{"old": 1}'
+    run.paths[0].notes = ["a note"]
+    report.write_json(run, str(target))
+    assert json.loads(target.read_text())["paths"][0]["notes"] == ["a note"]
 
 
 def test_procs_sweep_and_shared_file(tmp_path):
@@ -183,3 +199,17 @@ def test_compared_paths_get_short_column_names():
     assert report.short_names(["/mnt/a/x", "/mnt/b/x", "s3://bucket"]) == ["a/x", "b/x", "s3://bucket"]
     assert report.short_names(["/only/one"]) == ["/only/one"]
     assert report.short_names(["/mnt/lustre/me", "/mnt/nvme/me"]) == ["lustre/me", "nvme/me"]
+
+
+def test_the_accelerator_search_doubles_then_bisects_in_multiples_of_the_ranks():
+    tried = []
+
+    def trial(per_rank: int) -> float:
+        tried.append(per_rank)
+        return 0.95 if per_rank <= 5 else 0.5  # this path feeds 5 accelerators
+
+    assert search_accelerators(trial, 1, 0.9, 64) == (5, "5 accelerator(s) fed at >= 90% utilisation")
+    assert tried == [1, 2, 4, 8, 6, 5]
+    fed, summary = search_accelerators(lambda per_rank: 0.95, 2, 0.9, 8)  # 2 ranks: 2, 4, 8 accelerators
+    assert (fed, summary) == (8, "8 accelerator(s) fed at >= 90% utilisation (search stopped at --max-accelerators 8)")
+    assert search_accelerators(lambda per_rank: None, 1, 0.9, 64) is None  # the path hung: no answer
