@@ -53,13 +53,17 @@ def free_port() -> int:
 def run_layout(name: str, family: str, steps: int, work: Path) -> dict:
     nproc, extra = LAYOUTS[name]
     out = work / name
-    overrides = [f'out_dir="{out}"', 'data_source="synthetic"', "vocab_size=256", 'model="custom"',
-                 f'model_family="{family}"', "n_layer=4", "n_head=4", "n_embd=64", "seq_length=64",
-                 "micro_batch_size=4", "global_batch_tokens=1024", f"max_steps={steps}", "warmup_steps=2",
-                 "eval_interval=0", "log_interval=1", "checkpoint_interval=0", "stop_at_step=0", 'device="cpu"',
-                 "compile=false", "tensorboard=false", "num_workers=0", 'resume="never"', *extra]  # fmt: skip
+    overrides = [f'out_dir="{out}"', 'data.source="synthetic"', "model.vocab_size=256", 'model.name="custom"',
+                 f'model.family="{family}"', "model.n_layer=4", "model.n_head=4", "model.n_embd=64",
+                 "model.seq_length=64",
+                 "schedule.micro_batch_size=4", "schedule.global_batch_tokens=1024", f"schedule.max_steps={steps}",
+                 "schedule.warmup_steps=2",
+                 "metrics.eval_interval=0", "metrics.log_interval=1", "checkpoint.interval=0",
+                 "schedule.stop_at_step=0", 'device="cpu"',
+                 "compile=false", "metrics.tensorboard=false", "data.num_workers=0", 'checkpoint.resume="never"',
+                 *extra]  # fmt: skip
     if family == "llama":
-        overrides += ["n_kv_head=2", "ffn_hidden=128"]
+        overrides += ["model.n_kv_head=2", "model.ffn_hidden=128"]
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}"]  # fmt: skip
     cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "corpusforge.train", *overrides]

@@ -126,7 +126,7 @@ def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid:
             g["lr"] = lr_at(step, cfg)
         loss = loss_fn(logits(model, b, retro), b["labels"], b["loss_mask"])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
@@ -139,7 +139,7 @@ def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid:
             curve.append(point)
             print(f"{name:>6} step {step + 1:>5} " + " ".join(f"{k} {v:.4f}" for k, v in point.items() if k != "step"),
                   flush=True)  # fmt: skip
-    tokens = steps * cfg.micro_batch_size * cfg.seq_length
+    tokens = steps * cfg.schedule.micro_batch_size * cfg.model.seq_length
     ms = sorted(w * 1e3 for w in waits)
     return {"curve": curve, "tokens_per_s": tokens / t_train, "seconds": t_train,
             "data_wait_ms_p50": statistics.median(ms), "data_wait_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
@@ -172,17 +172,21 @@ def main() -> None:
         t0 = time.perf_counter()
         build_knn(BuildConfig(prefix=str(prefix), output=str(db), recall_queries=200))
         corpus["build_knn_s"] = round(time.perf_counter() - t0, 1)
-    overrides = [f'retro.db="{db}"', f"vocab_size={args.vocab}", "model=\"retro\"", "n_layer=6", "n_head=4",
-                 f"n_embd={args.n_embd}", "retro.encoder_n_embd=0", f"seq_length={args.seq_length}",
-                 "micro_batch_size=8", f"global_batch_tokens={8 * args.seq_length}", f"max_steps={args.steps}",
-                 f"warmup_steps={max(1, args.steps // 20)}", "lr=3e-3", "min_lr=3e-4", "eval_batches=8",
-                 "eval_interval=1", "num_workers=1", 'device="cpu"', "compile=false", 'split="95,5,0"',
-                 f"seed={args.seed}", 'data_path=""']  # fmt: skip
+    overrides = [f'retro.db="{db}"', f"model.vocab_size={args.vocab}", "model.name=\"retro\"", "model.n_layer=6",
+                 "model.n_head=4",
+                 f"model.n_embd={args.n_embd}", "retro.encoder_n_embd=0", f"model.seq_length={args.seq_length}",
+                 "schedule.micro_batch_size=8", f"schedule.global_batch_tokens={8 * args.seq_length}",
+                 f"schedule.max_steps={args.steps}",
+                 f"schedule.warmup_steps={max(1, args.steps // 20)}", "optimizer.lr=3e-3", "schedule.min_lr=3e-4",
+                 "metrics.eval_batches=8",
+                 "metrics.eval_interval=1", "data.num_workers=1", 'device="cpu"', "compile=false",
+                 'data.split="95,5,0"',
+                 f"seed={args.seed}", 'data.path=""']  # fmt: skip
     cfg = load_config("configs/retro-tiny-cpu.toml", overrides)
     rc = retro_config(cfg)
     data = build_retro_data(cfg, 0, 1)
-    valid = {"val_loss": [to_model(b) for b in batches(data.valid, cfg.eval_batches)]}
-    valid_random = [to_model(b) for b in batches(data.valid_random, cfg.eval_batches)]
+    valid = {"val_loss": [to_model(b) for b in batches(data.valid, cfg.metrics.eval_batches)]}
+    valid_random = [to_model(b) for b in batches(data.valid_random, cfg.metrics.eval_batches)]
     results = {}
     torch.manual_seed(cfg.seed)
     gpt = GPT(GPTConfig(rc.n_layer, rc.n_head, rc.n_embd, rc.vocab_size, rc.block_size, 0.0, rc.bias))
@@ -203,9 +207,9 @@ def main() -> None:
             "cca_layers": list(rc.cca_layer_indices),
             "chunk_length": rc.chunk_length,
             "K": rc.num_neighbours,
-            "seq_length": cfg.seq_length,
+            "seq_length": cfg.model.seq_length,
         },  # fmt: skip
-        "tokens_trained": args.steps * cfg.micro_batch_size * cfg.seq_length,
+        "tokens_trained": args.steps * cfg.schedule.micro_batch_size * cfg.model.seq_length,
         "val_loss": {"gpt": final_gpt, "retro": final["val_loss"], "retro_random_neighbours": final["val_loss_random"]},
         "unigram_entropy": math.log(args.vocab),
         "valid_chunks_with_a_twin_neighbour": round(informative_fraction(valid["val_loss"], rc.chunk_length), 4),

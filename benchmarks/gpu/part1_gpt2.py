@@ -38,9 +38,10 @@ from common import (  # noqa: E402
 
 # (full, smoke): full is the GPT-2 124M at 1024 tokens; smoke a 2-layer toy of the same code on CPU.
 SIZES = {
-    False: {"corpus_bytes": 20_000_000, "model": ["model=gpt2-124m"], "seq": 1024, "micro": 16, "accum": 8,
+    False: {"corpus_bytes": 20_000_000, "model": ["model.name=gpt2-124m"], "seq": 1024, "micro": 16, "accum": 8,
             "steps": 30, "log": 5, "workers": 2},
-    True: {"corpus_bytes": 150_000, "model": ["model=custom", "n_layer=2", "n_head=2", "n_embd=64"], "seq": 32,
+    True: {"corpus_bytes": 150_000, "model": ["model.name=custom", "model.n_layer=2", "model.n_head=2",
+                                              "model.n_embd=64"], "seq": 32,
            "micro": 2, "accum": 1, "steps": 4, "log": 2, "workers": 1},
 }  # fmt: skip
 
@@ -48,19 +49,19 @@ SIZES = {
 def overrides(ctx: Context, name: str, s: dict, extra: list[str]) -> list[str]:
     return [
         *s["model"],
-        f"seq_length={s['seq']}",
-        f"micro_batch_size={s['micro']}",
-        f"global_batch_tokens={s['micro'] * s['seq'] * s['accum']}",
-        f"max_steps={s['steps']}",
-        f"log_interval={s['log']}",
-        f"warmup_steps={s['log']}",
-        "eval_interval=0",
-        "checkpoint_interval=0",  # the trainer still saves once after the last step, outside the timed intervals
-        "keep_checkpoints=1",
-        "tensorboard=false",
-        f"num_workers={s['workers']}",
+        f"model.seq_length={s['seq']}",
+        f"schedule.micro_batch_size={s['micro']}",
+        f"schedule.global_batch_tokens={s['micro'] * s['seq'] * s['accum']}",
+        f"schedule.max_steps={s['steps']}",
+        f"metrics.log_interval={s['log']}",
+        f"schedule.warmup_steps={s['log']}",
+        "metrics.eval_interval=0",
+        "checkpoint.interval=0",  # the trainer still saves once after the last step, outside the timed intervals
+        "checkpoint.keep=1",
+        "metrics.tensorboard=false",
+        f"data.num_workers={s['workers']}",
         f"out_dir={ctx.work / ('run-' + name)}",
-        "resume=never",
+        "checkpoint.resume=never",
         *(["device=cpu", "compile=false"] if ctx.smoke else ["device=cuda", "dtype=bfloat16", "compile=true"]),
         *extra,
     ]
@@ -112,8 +113,8 @@ def run(ctx: Context) -> None:
     ctx.save()
 
     runs = {
-        "synthetic": ["data_source=synthetic"],
-        "loader": ["data_source=loader", f"data_path={prefix}"],
+        "synthetic": ["data.source=synthetic"],
+        "loader": ["data.source=loader", f"data.path={prefix}"],
     }
     for name, extra in runs.items():
         summary, metrics = train_run(overrides(ctx, name, s, extra))
@@ -156,7 +157,7 @@ def like_for_like(ctx: Context, s: dict) -> None:
     if ctx.smoke or ctx.left() < 120:  # a third compile: only with time to spare
         r["figures"]["gpt2_vocab_run"] = "skipped: smoke" if ctx.smoke else "skipped: under 120 s left"
         return
-    summary, metrics = train_run(overrides(ctx, "gpt2-vocab", s, ["data_source=synthetic", "vocab_size=50257"]))
+    summary, metrics = train_run(overrides(ctx, "gpt2-vocab", s, ["data.source=synthetic", "model.vocab_size=50257"]))
     r["runs"]["synthetic_vocab50257"] = figures_of(summary, metrics)
 
 

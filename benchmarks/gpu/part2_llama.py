@@ -33,14 +33,15 @@ def llama_support() -> str | None:
     if "llama3-tiny" not in getattr(config, "LLAMA_PRESETS", {}):
         return "corpusforge.train.config has no llama3-tiny preset"
     try:
-        cfg = load_config(None, ["model=llama3-tiny", "data_source=synthetic", "device=cpu", "seq_length=64",
-                                 "micro_batch_size=1", "global_batch_tokens=64", "eval_interval=0"])  # fmt: skip
+        cfg = load_config(None, ["model.name=llama3-tiny", "data.source=synthetic", "device=cpu", "model.seq_length=64",
+                                 "schedule.micro_batch_size=1", "schedule.global_batch_tokens=64",
+                                 "metrics.eval_interval=0"])  # fmt: skip
         planned = train(cfg, dry_run=True, log=lambda line: None)["params"]
         n_layer, n_head, n_embd = cfg.model_shape()
         shape = cfg.llama_shape()
         with torch.device("meta"):
             llama = Llama(LlamaConfig(n_layer=n_layer, n_head=n_head, n_kv_head=shape["n_kv_head"], n_embd=n_embd,
-                                      ffn_hidden=shape["ffn_hidden"], vocab_size=cfg.vocab_size, block_size=64,
+                                      ffn_hidden=shape["ffn_hidden"], vocab_size=cfg.model.vocab_size, block_size=64,
                                       tie_embeddings=shape["tie_embeddings"]))  # fmt: skip
         expected = sum(p.numel() for p in llama.parameters())
     except Exception as e:  # noqa: BLE001 - any failure here means: not usable yet
@@ -60,15 +61,18 @@ def run(ctx: Context) -> None:
         raise Skip(reason)
     s = SIZES[ctx.smoke]
     hw = (
-        ["device=cpu", "compile=false", "vocab_size=512"]
+        ["device=cpu", "compile=false", "model.vocab_size=512"]
         if ctx.smoke
         else ["device=cuda", "dtype=bfloat16", "compile=true"]
     )
     summary, metrics = train_run([
-        f"model={s['model']}", "data_source=synthetic", f"seq_length={s['seq']}", f"micro_batch_size={s['micro']}",
-        f"global_batch_tokens={s['micro'] * s['seq'] * s['accum']}", f"max_steps={s['steps']}",
-        f"log_interval={s['log']}", f"warmup_steps={s['log']}", "eval_interval=0", "checkpoint_interval=0",
-        "keep_checkpoints=1", "tensorboard=false", f"out_dir={ctx.work / 'run-llama'}", "resume=never", *hw,
+        f"model.name={s['model']}", "data.source=synthetic", f"model.seq_length={s['seq']}",
+        f"schedule.micro_batch_size={s['micro']}",
+        f"schedule.global_batch_tokens={s['micro'] * s['seq'] * s['accum']}", f"schedule.max_steps={s['steps']}",
+        f"metrics.log_interval={s['log']}", f"schedule.warmup_steps={s['log']}", "metrics.eval_interval=0",
+        "checkpoint.interval=0",
+        "checkpoint.keep=1", "metrics.tensorboard=false", f"out_dir={ctx.work / 'run-llama'}",
+        "checkpoint.resume=never", *hw,
     ])  # fmt: skip
     plan = next((m for m in metrics if m.get("kind") == "plan"), {})
     ctx.result["runs"]["synthetic"] = {

@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Context, need_cuda, part_main, train_run  # noqa: E402
 
 SIZES = {
-    False: {"model": ["model=gpt2-124m"], "seq": 1024, "micro": 8, "steps": 20, "every": 10},
-    True: {"model": ["model=custom", "n_layer=2", "n_head=2", "n_embd=64"], "seq": 32, "micro": 2, "steps": 4,
+    False: {"model": ["model.name=gpt2-124m"], "seq": 1024, "micro": 8, "steps": 20, "every": 10},
+    True: {"model": ["model.name=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64"], "seq": 32,
+           "micro": 2, "steps": 4,
            "every": 2},
 }  # fmt: skip
 
@@ -27,15 +28,17 @@ SIZES = {
 def run(ctx: Context) -> None:
     need_cuda(ctx)
     s = SIZES[ctx.smoke]
-    hw = ["device=cpu", "vocab_size=512"] if ctx.smoke else ["device=cuda", "dtype=bfloat16"]
+    hw = ["device=cpu", "model.vocab_size=512"] if ctx.smoke else ["device=cuda", "dtype=bfloat16"]
     r = ctx.result
     for mode in ("async", "sync"):
         flag = "true" if mode == "async" else "false"
         summary, metrics = train_run([
-            *s["model"], "data_source=synthetic", f"seq_length={s['seq']}", f"micro_batch_size={s['micro']}",
-            f"global_batch_tokens={s['micro'] * s['seq']}", f"max_steps={s['steps']}", f"log_interval={s['every']}",
-            f"checkpoint_interval={s['every']}", "keep_checkpoints=1", f"async_checkpoint={flag}",
-            "eval_interval=0", "tensorboard=false", "compile=false", "resume=never",
+            *s["model"], "data.source=synthetic", f"model.seq_length={s['seq']}",
+            f"schedule.micro_batch_size={s['micro']}",
+            f"schedule.global_batch_tokens={s['micro'] * s['seq']}", f"schedule.max_steps={s['steps']}",
+            f"metrics.log_interval={s['every']}",
+            f"checkpoint.interval={s['every']}", "checkpoint.keep=1", f"checkpoint.async_write={flag}",
+            "metrics.eval_interval=0", "metrics.tensorboard=false", "compile=false", "checkpoint.resume=never",
             f"out_dir={ctx.work / ('run-ckpt-' + mode)}", *hw,
         ])  # fmt: skip
         stalls = [m["stall_s"] for m in metrics if m.get("kind") == "checkpoint_stall"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import click
 
@@ -34,14 +35,22 @@ from corpusforge.cli import _report
 def train_cmd(config_path, overrides, dry_run, world_size, list_keys, as_json) -> None:
     """Train a GPT-2-style model on corpusforge token datasets: one process, or one per device under torchrun.
 
-    OVERRIDES are key=value pairs applied after the config file, e.g. max_steps=100 lr=3e-4 compile=false.
+    OVERRIDES are key=value pairs applied after the config file, e.g. schedule.max_steps=100 optimizer.lr=3e-4
+    compile=false.
     """
-    from corpusforge.train.config import describe_keys, load_config
+    from corpusforge.train.config import ConfigDeprecationWarning, describe_keys, load_config
 
     if list_keys:
         click.echo(describe_keys())
         return
-    cfg = load_config(config_path, list(overrides))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigDeprecationWarning)
+        cfg = load_config(config_path, list(overrides))
+    for w in caught:  # an old flat key: one line each, from rank 0 (every rank reads the same config)
+        if not issubclass(w.category, ConfigDeprecationWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif int(os.environ.get("RANK", "0")) == 0:
+            click.echo(f"corpusforge: warning: {w.message}", err=True)
     from corpusforge.train.trainer import train
 
     log = lambda line: click.echo(line, err=as_json)  # noqa: E731 - with --json, stdout holds only the JSON

@@ -274,15 +274,15 @@ def check_compatible(path: str | Path, meta: dict[str, Any], model_shape: dict[s
     if diff:
         raise CheckpointError(
             f"{path}: the checkpoint is of another model shape ({'; '.join(diff)}); "
-            f"resume with the config it was trained with, or set resume=never / another out_dir"
+            f"resume with the config it was trained with, or set checkpoint.resume=never / another out_dir"
         )
 
 
-# Config keys that say where and how a run reads, logs and saves, not what it computes: a difference in them never
-# explains a loader state that no longer matches.
+# Config keys (dotted, as corpusforge.train.config.config_keys gives them; a section for all its keys) that say where
+# and how a run reads, logs and saves, not what it computes: a difference in them never explains a loader state that
+# no longer matches.
 NOT_RUN_IDENTITY = frozenset(
-    "out_dir resume stop_at_step log_interval eval_interval eval_batches checkpoint_interval keep_checkpoints "
-    "async_checkpoint tensorboard num_workers data_cache_dir storage device compile peak_flops".split()
+    "out_dir checkpoint metrics schedule.stop_at_step data.num_workers data.cache_dir storage device compile".split()
 )
 
 
@@ -295,7 +295,7 @@ def resume_refused(path: str | Path, saved_config: dict[str, Any], config: dict[
         >>> resume_refused("runs/a/checkpoints/step_00000020", {"max_steps": 40}, {"max_steps": 80}, "num_samples")
         CheckpointError('runs/a/checkpoints/step_00000020: cannot resume: this run was started with max_steps=40, ...
     """
-    keys = sorted((set(saved_config) | set(config)) - NOT_RUN_IDENTITY)
+    keys = sorted(k for k in set(saved_config) | set(config) if not {k, k.partition(".")[0]} & NOT_RUN_IDENTITY)
     differ = [k for k in keys if saved_config.get(k, "<unset>") != config.get(k, "<unset>")]
     if not saved_config:  # a checkpoint from before meta.json recorded the config
         return CheckpointError(

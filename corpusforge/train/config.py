@@ -1,46 +1,223 @@
-"""The trainer's one configuration: a frozen dataclass whose field docstrings are the documentation of every key.
+"""The trainer's configuration: small frozen dataclasses, one per component (as torchtitan's), whose field
+docstrings are the documentation of every key.
 
-A run is configured by a TOML file of flat `key = value` lines (see configs/) and `key=value` overrides given on
-the command line after it; values of overrides are read as TOML (`lr=3e-4`, `compile=false`, `out_dir="runs/a"`,
-`data_path=["a_text_document", 0.7, "b_text_document", 0.3]`) and as a plain string when they are not TOML.
-One section, `[storage]`, says how the token datasets are read (corpusforge.storage.StorageConfig's keys, its
-fsspec options in `[storage.storage_options]`); overrides reach it as `storage.read_mode=direct`,
-`storage.storage_options.endpoint_url=http://rgw:7480`.
-An unknown key, a value of the wrong type or an impossible combination is an error before anything is built.
+A run is configured by a TOML file with one table per component (see configs/) and `section.key=value` overrides
+given on the command line after it; values of overrides are read as TOML (`optimizer.lr=3e-4`, `compile=false`,
+`out_dir="runs/a"`, `data.path=["a_text_document", 0.7, "b_text_document", 0.3]`) and as a plain string when
+they are not TOML. A few keys of the whole run (seed, out_dir, device, dtype, compile) stand outside any table.
 
+    seed = 1234
+    out_dir = "runs/gpt2-124m"
+    [model]
+    name = "gpt2-124m"
+    [data]
+    path = "data/fineweb_text_document"
+    [optimizer]
+    lr = 6e-4
+    [schedule]
+    max_steps = 19073
     [storage]
     read_mode = "auto"                      # or "direct", "pread", "mmap-random"
-    local_cache_dir = "/nvme/cf-cache"      # copy each dataset to local disk on first use
-    local_cache_max_bytes = 500_000_000_000
     [storage.storage_options]
     endpoint_url = "http://rgw.example:7480"   # credentials: better from the environment (AWS_ACCESS_KEY_ID, ...)
 
+The flat keys of earlier versions (`lr = 3e-4`, `max_steps=100`) are still read, each with one warning line that
+names its new key (`optimizer.lr`); an unknown key, a value of the wrong type or an impossible combination is an
+error before anything is built.
+
 Example:
-    >>> cfg = load_config("configs/tiny-cpu.toml", ["max_steps=20", "out_dir=runs/t"])
-    >>> cfg.max_steps
+    >>> cfg = load_config("configs/tiny-cpu.toml", ["schedule.max_steps=20", "out_dir=runs/t"])
+    >>> cfg.schedule.max_steps
     20
 """
 
 from __future__ import annotations
 
-import ast
 import difflib
-import inspect
 import json
 import tomllib
-import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from functools import cache
+import warnings
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from corpusforge.configs import accepts, field_default, field_docs, from_table
 from corpusforge.errors import CorpusforgeError
 from corpusforge.storage import StorageConfig
 
 
 class ConfigError(CorpusforgeError, ValueError):
     """A configuration that cannot run: unknown key, wrong type, or values that do not fit together."""
+
+
+class ConfigDeprecationWarning(FutureWarning):
+    """A key written the old way (a flat `lr`, not `optimizer.lr`): still read; the message names the new key."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model: a preset, or a shape of your own. The section [model]; overrides as `model.name=gpt2-350m`.
+
+    [model]
+    name = "llama3-1b"
+    seq_length = 2048
+    """
+
+    name: str = "gpt2-124m"
+    """Model preset: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; llama3-1b, llama3-3b (Llama 3.2), llama3-8b,
+    llama3-70b (Llama 3.1), llama3-tiny; retro-tiny-cpu, retro-172m, retro-425m (RETRO, the paper's two smallest
+    decoders); "custom" (then family, n_layer, n_head, n_embd) or "retro" (a RETRO decoder of n_layer, n_head,
+    n_embd). RETRO models read their data from [retro]."""
+
+    family: str = "auto"
+    """"gpt2" (GPT-2: LayerNorm, GELU, learned positions, tied head), "llama" (Llama 3: RMSNorm, RoPE, SwiGLU,
+    grouped-query attention) or "retro" (a GPT-2 decoder with chunked cross-attention to retrieved neighbours);
+    "auto": the preset's family, gpt2 for "custom"."""
+
+    n_layer: int = 0
+    """Transformer blocks; 0: from the preset."""
+
+    n_head: int = 0
+    """Attention heads; 0: from the preset."""
+
+    n_embd: int = 0
+    """Model width; 0: from the preset."""
+
+    n_kv_head: int = 0
+    """Llama: key/value heads (grouped-query attention); 0: from the preset, or n_head."""
+
+    ffn_hidden: int = 0
+    """Llama: SwiGLU MLP width; 0: from the preset, or Llama's rule (8/3 n_embd rounded up to 256)."""
+
+    rope_theta: float = 0.0
+    """Llama: rotary base; 0: from the preset, or 500000 (Llama 3)."""
+
+    vocab_size: int = 100277
+    """Tokenizer vocabulary (cl100k_base: 100277, GPT-2: 50257); the embedding is padded to a multiple of 128."""
+
+    seq_length: int = 1024
+    """Tokens per sample (the context length)."""
+
+    dropout: float = 0.0
+    """Dropout probability (0 for pretraining, as in nanoGPT and llm.c)."""
+
+    bias: bool = True
+    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """What the model reads: token datasets through corpusforge's loaders, or synthetic tokens. The section
+    [data]; overrides as `data.path=...`. How the files are read is [storage].
+
+        [data]
+        path = ["a_text_document", 0.7, "b_text_document", 0.3]
+        split = "969,30,1"
+    """
+
+    path: str | list[Any] = ""
+    """Token dataset prefix, or a blend `[prefix, weight, ...]` (Megatron's `--data-path` order also accepted)."""
+
+    split: str = "969,30,1"
+    """Relative sizes of train, valid, test taken from each dataset (Megatron's `--split`)."""
+
+    cache_dir: str = ""
+    """Where the sample indices are cached (.npy); empty: `{out_dir}/index-cache`."""
+
+    num_workers: int = 2
+    """DataLoader worker processes per rank; 0 reads in the training process."""
+
+    source: str = "loader"
+    """"loader" (the datasets above) or "synthetic": random tokens made once on the device and reused, no loader;
+    the same run without a data path, to measure what the data path costs (tokens/s with one vs the other)."""
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW and gradient clipping. The section [optimizer]; overrides as `optimizer.lr=3e-4`. The learning rate's
+    warmup and decay are [schedule]."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to 2-D parameters only (matrices and embeddings, not biases or norms)."""
+
+    beta1: float = 0.9
+    """AdamW beta1."""
+
+    beta2: float = 0.95
+    """AdamW beta2."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """How much is trained and how the learning rate moves: batch sizes, steps, warmup and cosine decay. The
+    section [schedule]; overrides as `schedule.max_steps=100`."""
+
+    micro_batch_size: int = 8
+    """Samples per rank per forward/backward pass."""
+
+    global_batch_tokens: int = 524288
+    """Tokens per optimizer step over all ranks; must be a multiple of micro_batch_size * seq_length * ranks."""
+
+    max_steps: int = 19073
+    """Optimizer steps of the whole run (sets the LR schedule and the training samples)."""
+
+    stop_at_step: int = 0
+    """Stop after this step (schedule unchanged), to split a run over several jobs; 0: run to max_steps."""
+
+    warmup_steps: int = 715
+    """Steps of linear warmup from 0 to optimizer.lr."""
+
+    min_lr: float = 6e-5
+    """Learning rate at the end of the cosine decay."""
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """When checkpoints are written and kept, and where a run resumes from. The section [checkpoint]; overrides
+    as `checkpoint.interval=500`. They go to {out_dir}/checkpoints."""
+
+    interval: int = 1000
+    """Steps between checkpoints; 0: only at the end."""
+
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+
+    async_write: bool = True
+    """Write checkpoints in a background thread from a CPU copy, so training goes on while they are written."""
+
+    resume: str = "auto"
+    """"auto": continue from the latest complete checkpoint in out_dir if there is one; "never"; or a path."""
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    """What is measured and logged: log lines, validation, TensorBoard, MFU. The section [metrics]; overrides as
+    `metrics.log_interval=1`. They go to {out_dir}/metrics.jsonl (and tensorboard/)."""
+
+    log_interval: int = 10
+    """Steps between log lines (and the interval of the data-wait percentiles)."""
+
+    eval_interval: int = 250
+    """Steps between validation losses; 0 disables them."""
+
+    eval_batches: int = 20
+    """Micro-batches per rank in one validation (the same batches each time, so values compare)."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard events when the `tensorboard` package is installed."""
+
+    peak_flops: float = 0.0
+    """Peak bf16 FLOP/s of one device for MFU; 0: look the device up in the table in metrics.py."""
 
 
 @dataclass(frozen=True)
@@ -146,141 +323,51 @@ PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run reads. Sizes in tokens are global (all ranks together)."""
+    """Everything a training run reads: one section per component, and the few keys of the whole run. Sizes in
+    tokens are global (all ranks together)."""
 
-    # -- data --------------------------------------------------------------------------------------------------
-    data_path: str | list[Any] = ""
-    """Token dataset prefix, or a blend `[prefix, weight, ...]` (Megatron's `--data-path` order also accepted)."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """The model, a preset or a shape: the section [model] (name, family, n_layer, n_head, n_embd, n_kv_head,
+    ffn_hidden, rope_theta, vocab_size, seq_length, dropout, bias)."""
 
-    split: str = "969,30,1"
-    """Relative sizes of train, valid, test taken from each dataset (Megatron's `--split`)."""
+    data: DataSection = field(default_factory=DataSection)
+    """What is read: the section [data] (path, split, cache_dir, num_workers, source)."""
 
-    data_cache_dir: str = ""
-    """Where the sample indices are cached (.npy); empty: `{out_dir}/index-cache`."""
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW: the section [optimizer] (lr, weight_decay, beta1, beta2, eps, grad_clip)."""
 
-    num_workers: int = 2
-    """DataLoader worker processes per rank; 0 reads in the training process."""
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    """Batches, steps and the learning-rate schedule: the section [schedule] (micro_batch_size,
+    global_batch_tokens, max_steps, stop_at_step, warmup_steps, min_lr)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the ranks share the work: the section [parallel] with ParallelConfig's keys (dp_replicate, dp_shard,
+    tp, pp, sequence_parallel, loss_parallel, pp_schedule, pp_microbatches, pp_layers, activation_checkpoint,
+    cpu_offload); `parallel = "ddp"` or `"fsdp"` as before."""
+
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpoints: the section [checkpoint] (interval, keep, async_write, resume)."""
+
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    """Logging and validation: the section [metrics] (log_interval, eval_interval, eval_batches, tensorboard,
+    peak_flops)."""
 
     storage: StorageConfig = field(default_factory=StorageConfig)
     """How the token datasets are read: the section [storage] with the keys of corpusforge.storage.StorageConfig
     (read_mode, block_size, cache_blocks, prefetch_blocks, local_cache_dir, local_cache_max_bytes, verify_sha256,
     auto_direct_above_bytes) and [storage.storage_options] for s3:// and other URLs (endpoint_url, ...)."""
 
-    data_source: str = "loader"
-    """"loader" (the datasets above) or "synthetic": random tokens made once on the device and reused, no loader;
-    the same run without a data path, to measure what the data path costs (tokens/s with one vs the other)."""
+    retro: RetroSection = field(default_factory=RetroSection)
+    """A RETRO model's retrieval database and shape: the section [retro] with RetroSection's keys (db,
+    neighbours_path, num_neighbours, chunk_length, retrieved_chunks, encoder_layers, encoder_n_embd,
+    encoder_n_head, cca_layers, random_eval); read only when the model is a RETRO one."""
 
     seed: int = 1234
     """Seed of the data order, the initialisation and every random generator."""
 
-    # -- model -------------------------------------------------------------------------------------------------
-    model: str = "gpt2-124m"
-    """Model preset: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; llama3-1b, llama3-3b (Llama 3.2), llama3-8b,
-    llama3-70b (Llama 3.1), llama3-tiny; retro-tiny-cpu, retro-172m, retro-425m (RETRO, the paper's two smallest
-    decoders); "custom" (then model_family, n_layer, n_head, n_embd) or "retro" (a RETRO decoder of n_layer,
-    n_head, n_embd). RETRO models read their data from [retro]."""
-
-    model_family: str = "auto"
-    """"gpt2" (GPT-2: LayerNorm, GELU, learned positions, tied head), "llama" (Llama 3: RMSNorm, RoPE, SwiGLU,
-    grouped-query attention) or "retro" (a GPT-2 decoder with chunked cross-attention to retrieved neighbours);
-    "auto": the preset's family, gpt2 for "custom"."""
-
-    n_layer: int = 0
-    """Transformer blocks; 0: from the preset."""
-
-    n_head: int = 0
-    """Attention heads; 0: from the preset."""
-
-    n_embd: int = 0
-    """Model width; 0: from the preset."""
-
-    n_kv_head: int = 0
-    """Llama: key/value heads (grouped-query attention); 0: from the preset, or n_head."""
-
-    ffn_hidden: int = 0
-    """Llama: SwiGLU MLP width; 0: from the preset, or Llama's rule (8/3 n_embd rounded up to 256)."""
-
-    rope_theta: float = 0.0
-    """Llama: rotary base; 0: from the preset, or 500000 (Llama 3)."""
-
-    vocab_size: int = 100277
-    """Tokenizer vocabulary (cl100k_base: 100277, GPT-2: 50257); the embedding is padded to a multiple of 128."""
-
-    seq_length: int = 1024
-    """Tokens per sample (the context length)."""
-
-    dropout: float = 0.0
-    """Dropout probability (0 for pretraining, as in nanoGPT and llm.c)."""
-
-    bias: bool = True
-    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
-
-    # -- batch and schedule ------------------------------------------------------------------------------------
-    micro_batch_size: int = 8
-    """Samples per rank per forward/backward pass."""
-
-    global_batch_tokens: int = 524288
-    """Tokens per optimizer step over all ranks; must be a multiple of micro_batch_size * seq_length * ranks."""
-
-    max_steps: int = 19073
-    """Optimizer steps of the whole run (sets the LR schedule and the training samples)."""
-
-    stop_at_step: int = 0
-    """Stop after this step (schedule unchanged), to split a run over several jobs; 0: run to max_steps."""
-
-    lr: float = 6e-4
-    """Peak learning rate."""
-
-    min_lr: float = 6e-5
-    """Learning rate at the end of the cosine decay."""
-
-    warmup_steps: int = 715
-    """Steps of linear warmup from 0 to lr."""
-
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to 2-D parameters only (matrices and embeddings, not biases or norms)."""
-
-    beta1: float = 0.9
-    """AdamW beta1."""
-
-    beta2: float = 0.95
-    """AdamW beta2."""
-
-    eps: float = 1e-8
-    """AdamW epsilon."""
-
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-
-    # -- evaluation, logging, checkpoints ----------------------------------------------------------------------
-    eval_interval: int = 250
-    """Steps between validation losses; 0 disables them."""
-
-    eval_batches: int = 20
-    """Micro-batches per rank in one validation (the same batches each time, so values compare)."""
-
-    log_interval: int = 10
-    """Steps between log lines (and the interval of the data-wait percentiles)."""
-
     out_dir: str = "runs/gpt"
     """Run directory: checkpoints/, metrics.jsonl, config.json, tensorboard/."""
 
-    checkpoint_interval: int = 1000
-    """Steps between checkpoints; 0: only at the end."""
-
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
-
-    async_checkpoint: bool = True
-    """Write checkpoints in a background thread from a CPU copy, so training goes on while they are written."""
-
-    resume: str = "auto"
-    """"auto": continue from the latest complete checkpoint in out_dir if there is one; "never"; or a path."""
-
-    tensorboard: bool = True
-    """Also write TensorBoard events when the `tensorboard` package is installed."""
-
-    # -- hardware ----------------------------------------------------------------------------------------------
     device: str = "auto"
     """"auto" (cuda if available), "cuda" or "cpu"."""
 
@@ -290,21 +377,6 @@ class TrainConfig:
     compile: bool | str = "auto"
     """torch.compile the model: "auto" (on for GPU, off for CPU), true or false."""
 
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """How the ranks share the work: the section [parallel] with ParallelConfig's keys (dp_replicate, dp_shard,
-    tp, pp, sequence_parallel, loss_parallel, pp_schedule, pp_microbatches, pp_layers, activation_checkpoint,
-    cpu_offload); `parallel = "ddp"` or `"fsdp"` as before."""
-
-    peak_flops: float = 0.0
-    """Peak bf16 FLOP/s of one device for MFU; 0: look the device up in the table in metrics.py."""
-
-    retro: RetroSection = field(default_factory=RetroSection)
-    """A RETRO model's retrieval database and shape: the section [retro] with RetroSection's keys (db,
-    neighbours_path, num_neighbours, chunk_length, retrieved_chunks, encoder_layers, encoder_n_embd,
-    encoder_n_head, cca_layers, random_eval); read only when the model is a RETRO one."""
-
-    # ----------------------------------------------------------------------------------------------------------
-
     def __post_init__(self) -> None:
         if isinstance(self.parallel, str):
             if self.parallel not in PARALLEL_LEGACY:
@@ -312,7 +384,10 @@ class TrainConfig:
                     f"parallel = {self.parallel!r}: choose one of {list(PARALLEL_LEGACY)} or set [parallel]"
                 )
             object.__setattr__(self, "parallel", ParallelConfig(**PARALLEL_LEGACY[self.parallel]))
-        _check_types(self)
+        _check_types(self, "")
+        for name in SECTIONS:
+            if name != "storage":  # StorageConfig checks its own values; storage_config() its types
+                _check_types(getattr(self, name), f"{name}.")
         _check_values(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,44 +402,96 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """The config of a `to_dict()` (config.json of a run): sections become their dataclasses again."""
-        values = dict(values)
-        if isinstance(values.get("storage"), dict):
-            values["storage"] = storage_config(values["storage"])
-        if isinstance(values.get("parallel"), dict):
-            values["parallel"] = ParallelConfig(**values["parallel"])
-        if isinstance(values.get("retro"), dict):
-            values["retro"] = RetroSection(**values["retro"])
+        """The config of a `to_dict()` (config.json of a run, meta.json of a checkpoint), of this version or of one
+        that wrote flat keys: sections become their dataclasses again.
+
+        Example:
+            >>> TrainConfig.from_dict({"lr": 1e-3, "model": "gpt2-350m"}).optimizer.lr
+            0.001
+        """
+        table = nest_flat_keys(values, "recorded config", warn=False)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in table.items() if k in known and k not in SECTIONS}
+        for name in SECTIONS:
+            if isinstance(table.get(name), dict):
+                values[name] = _section(name, table[name], "recorded config")
         return cls(**values)
 
     @property
     def family(self) -> str:
-        """ "gpt2" or "llama"."""
-        if self.model_family != "auto":
-            return self.model_family
-        if self.model == "retro" or self.model in _retro_presets():
+        """ "gpt2", "llama" or "retro": model.family, or the preset's."""
+        if self.model.family != "auto":
+            return self.model.family
+        if self.model.name == "retro" or self.model.name in _retro_presets():
             return "retro"
-        return "llama" if self.model in LLAMA_PRESETS else "gpt2"
+        return "llama" if self.model.name in LLAMA_PRESETS else "gpt2"
 
     def model_shape(self) -> tuple[int, int, int]:
         """(n_layer, n_head, n_embd): the preset's, with any non-zero key taking precedence."""
-        retro = _retro_presets().get(self.model)
+        m = self.model
+        retro = _retro_presets().get(m.name)
         retro_shape = (retro["n_layer"], retro["n_head"], retro["n_embd"]) if retro else None
-        base = PRESETS.get(self.model) or retro_shape or LLAMA_PRESETS.get(self.model, {}).get("shape", (0, 0, 0))
-        return tuple(mine or theirs for mine, theirs in zip((self.n_layer, self.n_head, self.n_embd), base))  # type: ignore
+        base = PRESETS.get(m.name) or retro_shape or LLAMA_PRESETS.get(m.name, {}).get("shape", (0, 0, 0))
+        return tuple(mine or theirs for mine, theirs in zip((m.n_layer, m.n_head, m.n_embd), base))  # type: ignore
 
     def llama_shape(self) -> dict[str, Any]:
         """n_kv_head, ffn_hidden, rope_theta, rope_scaling, tie_embeddings: the preset's, non-zero keys first."""
-        preset = LLAMA_PRESETS.get(self.model, {})
+        m = self.model
+        preset = LLAMA_PRESETS.get(m.name, {})
         n_head, n_embd = self.model_shape()[1:]
         hidden = 256 * -(-int(8 * n_embd / 3) // 256)  # Llama's rule without ffn_dim_multiplier
         return {
-            "n_kv_head": self.n_kv_head or preset.get("n_kv_head", n_head),
-            "ffn_hidden": self.ffn_hidden or preset.get("ffn_hidden", hidden),
-            "rope_theta": self.rope_theta or preset.get("rope_theta", 500000.0),
+            "n_kv_head": m.n_kv_head or preset.get("n_kv_head", n_head),
+            "ffn_hidden": m.ffn_hidden or preset.get("ffn_hidden", hidden),
+            "rope_theta": m.rope_theta or preset.get("rope_theta", 500000.0),
             "rope_scaling": preset.get("rope_scaling", 0.0),
             "tie_embeddings": preset.get("tie_embeddings", False),
         }
+
+
+# The tables of a config file, each a component's dataclass.
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "optimizer": OptimizerSection,
+    "schedule": ScheduleSection,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointSection,
+    "metrics": MetricsSection,
+    "storage": StorageConfig,
+    "retro": RetroSection,
+}
+
+# The flat keys of the versions before the sections, and where each lives now (read with a warning).
+FLAT_KEYS: dict[str, str] = {
+    "data_path": "data.path",
+    "split": "data.split",
+    "data_cache_dir": "data.cache_dir",
+    "num_workers": "data.num_workers",
+    "data_source": "data.source",
+    "model": "model.name",
+    "model_family": "model.family",
+    **{k: f"model.{k}" for k in ("n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "rope_theta")},
+    **{k: f"model.{k}" for k in ("vocab_size", "seq_length", "dropout", "bias")},
+    **{k: f"optimizer.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")},
+    **{k: f"schedule.{k}" for k in ("micro_batch_size", "global_batch_tokens", "max_steps", "stop_at_step")},
+    **{k: f"schedule.{k}" for k in ("warmup_steps", "min_lr")},
+    "checkpoint_interval": "checkpoint.interval",
+    "keep_checkpoints": "checkpoint.keep",
+    "async_checkpoint": "checkpoint.async_write",
+    "resume": "checkpoint.resume",
+    **{k: f"metrics.{k}" for k in ("log_interval", "eval_interval", "eval_batches", "tensorboard", "peak_flops")},
+}
+
+
+def new_key(key: str) -> str:
+    """The key as this version writes it: a flat key of an earlier version becomes its section's, others stay.
+
+    Example:
+        >>> new_key("lr"), new_key("max_steps"), new_key("optimizer.lr"), new_key("seed")
+        ('optimizer.lr', 'schedule.max_steps', 'optimizer.lr', 'seed')
+    """
+    return FLAT_KEYS.get(key, key)
 
 
 def _retro_presets() -> dict[str, dict]:
@@ -402,79 +529,68 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
 SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
 CHOICES = {
-    "model": [*PRESETS, *LLAMA_PRESETS, "custom"],
-    "model_family": ["auto", "gpt2", "llama", "retro"],
+    "model.name": [*PRESETS, *LLAMA_PRESETS, "custom"],
+    "model.family": ["auto", "gpt2", "llama", "retro"],
     "device": ["auto", "cuda", "cpu"],
     "dtype": ["auto", "bfloat16", "float32"],
-    "data_source": ["loader", "synthetic"],
+    "data.source": ["loader", "synthetic"],
 }
+POSITIVE = ["model.seq_length", "schedule.micro_batch_size", "schedule.global_batch_tokens", "schedule.max_steps",
+            "metrics.log_interval", "model.vocab_size"]  # fmt: skip
+NOT_NEGATIVE = ["model.n_layer", "model.n_head", "model.n_embd", "model.n_kv_head", "model.ffn_hidden",
+                "model.rope_theta", "schedule.warmup_steps", "schedule.stop_at_step", "schedule.min_lr",
+                "metrics.eval_interval", "metrics.eval_batches", "metrics.peak_flops", "checkpoint.interval",
+                "data.num_workers", "optimizer.grad_clip", "optimizer.weight_decay"]  # fmt: skip
 
 
-def _accepts(annotation: Any, value: Any) -> bool:
-    """Whether `value` fits a field annotation of the simple kinds used here (int, float, bool, str, list, unions)."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return any(_accepts(a, value) for a in typing.get_args(annotation))
-    origin = typing.get_origin(annotation) or annotation
-    if origin is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if origin is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, origin)
+def _get(cfg: Any, key: str) -> Any:
+    """cfg's value of a dotted key ("optimizer.lr")."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
-def _check_types(cfg: TrainConfig) -> None:
-    hints = typing.get_type_hints(TrainConfig)
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if not _accepts(hints[f.name], value):
-            raise ConfigError(f"{f.name} = {value!r}: expected {hints[f.name]}")
-        if hints[f.name] is float and isinstance(value, int):
-            object.__setattr__(cfg, f.name, float(value))
+def _check_types(section: Any, prefix: str) -> None:
+    """Each field of one dataclass against its annotation (a section's dataclasses are not looked into); ints given
+    for floats become floats."""
+    hints = typing.get_type_hints(type(section))
+    for f in fields(section):
+        value, hint = getattr(section, f.name), hints[f.name]
+        if is_dataclass(hint):
+            if not isinstance(value, hint):
+                raise ConfigError(f"{prefix}{f.name} = {value!r}: expected the section [{f.name}]")
+        elif not accepts(hint, value):
+            raise ConfigError(f"{prefix}{f.name} = {value!r}: expected {hint}")
+        elif hint is float and isinstance(value, int):
+            object.__setattr__(section, f.name, float(value))
 
 
 def _check_values(cfg: TrainConfig) -> None:
     for key, allowed in CHOICES.items():
-        if key == "model":
+        if key == "model.name":
             allowed = [*allowed, "retro", *_retro_presets()]
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key} = {getattr(cfg, key)!r}: choose one of {allowed}")
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key} = {_get(cfg, key)!r}: choose one of {allowed}")
     if cfg.compile not in (True, False, "auto"):
         raise ConfigError(f'compile = {cfg.compile!r}: choose true, false or "auto"')
-    positive = ["seq_length", "micro_batch_size", "global_batch_tokens", "max_steps", "log_interval", "vocab_size"]
-    for key in positive:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} = {getattr(cfg, key)}: must be at least 1")
-    for key in [
-        "n_layer",
-        "n_head",
-        "n_embd",
-        "warmup_steps",
-        "eval_interval",
-        "eval_batches",
-        "stop_at_step",
-        "checkpoint_interval",
-        "num_workers",
-        "grad_clip",
-        "weight_decay",
-        "min_lr",
-        "peak_flops",
-    ]:
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} = {getattr(cfg, key)}: must not be negative")
-    if cfg.keep_checkpoints < 1:
-        raise ConfigError(f"keep_checkpoints = {cfg.keep_checkpoints}: keep at least 1")
-    if not 0 <= cfg.dropout < 1:
-        raise ConfigError(f"dropout = {cfg.dropout}: must be in [0, 1)")
-    if cfg.min_lr > cfg.lr:
-        raise ConfigError(f"min_lr {cfg.min_lr} is above lr {cfg.lr}")
-    if cfg.model in ("custom", "retro") and not (cfg.n_layer and cfg.n_head and cfg.n_embd):
-        raise ConfigError(f"model = {cfg.model!r} needs n_layer, n_head and n_embd")
+    for key in POSITIVE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key} = {_get(cfg, key)}: must be at least 1")
+    for key in NOT_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} = {_get(cfg, key)}: must not be negative")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep = {cfg.checkpoint.keep}: keep at least 1")
+    m = cfg.model
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout = {m.dropout}: must be in [0, 1)")
+    if cfg.schedule.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"schedule.min_lr {cfg.schedule.min_lr} is above optimizer.lr {cfg.optimizer.lr}")
+    if m.name in ("custom", "retro") and not (m.n_layer and m.n_head and m.n_embd):
+        raise ConfigError(f"model.name = {m.name!r} needs model.n_layer, model.n_head and model.n_embd")
     n_head, n_embd = cfg.model_shape()[1:]
     if n_embd % n_head:
         raise ConfigError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
-    for key in ["n_kv_head", "ffn_hidden", "rope_theta"]:
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} = {getattr(cfg, key)}: must not be negative")
     if cfg.family == "llama" and n_head % cfg.llama_shape()["n_kv_head"]:
         raise ConfigError(f"n_head {n_head} is not a multiple of n_kv_head {cfg.llama_shape()['n_kv_head']}")
     _check_parallel(cfg.parallel)
@@ -483,11 +599,6 @@ def _check_values(cfg: TrainConfig) -> None:
 
 def _check_retro(r: RetroSection) -> None:
     """Each [retro] value on its own; the database itself is checked when the data is built."""
-    hints = typing.get_type_hints(RetroSection)
-    for f in fields(r):
-        value = getattr(r, f.name)
-        if not _accepts(hints[f.name], value):
-            raise ConfigError(f"retro.{f.name} = {value!r}: expected {hints[f.name]}")
     for key in ("num_neighbours", "chunk_length", "retrieved_chunks"):
         if getattr(r, key) < 1:
             raise ConfigError(f"retro.{key} = {getattr(r, key)}: must be at least 1")
@@ -501,11 +612,6 @@ def _check_retro(r: RetroSection) -> None:
 def _check_parallel(p: ParallelConfig) -> None:
     """Each [parallel] value on its own; whether the degrees fit the world size and the model is checked by
     corpusforge.train.parallel.resolve_layout once the world size is known."""
-    hints = typing.get_type_hints(ParallelConfig)
-    for f in fields(p):
-        value = getattr(p, f.name)
-        if not _accepts(hints[f.name], value):
-            raise ConfigError(f"parallel.{f.name} = {value!r}: expected {hints[f.name]}")
     degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
     for key, value in degrees.items():
         if value < 1 and value != -1:
@@ -531,51 +637,60 @@ def _check_parallel(p: ParallelConfig) -> None:
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """Micro-batches per rank per optimizer step, `world_size` being the data-parallel ranks (the world size over
     tp x pp); an error when the global batch does not divide evenly."""
-    per_pass = cfg.micro_batch_size * cfg.seq_length * world_size
-    if cfg.global_batch_tokens % per_pass:
+    s = cfg.schedule
+    per_pass = s.micro_batch_size * cfg.model.seq_length * world_size
+    if s.global_batch_tokens % per_pass:
         raise ConfigError(
-            f"global_batch_tokens {cfg.global_batch_tokens} is not a multiple of micro_batch_size "
-            f"{cfg.micro_batch_size} x seq_length {cfg.seq_length} x {world_size} data-parallel rank(s) = "
+            f"global_batch_tokens {s.global_batch_tokens} is not a multiple of micro_batch_size "
+            f"{s.micro_batch_size} x seq_length {cfg.model.seq_length} x {world_size} data-parallel rank(s) = "
             f"{per_pass}; "
-            f"use e.g. global_batch_tokens={max(1, round(cfg.global_batch_tokens / per_pass)) * per_pass}"
+            f"use e.g. schedule.global_batch_tokens={max(1, round(s.global_batch_tokens / per_pass)) * per_pass}"
         )
-    return cfg.global_batch_tokens // per_pass
+    return s.global_batch_tokens // per_pass
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # reading TOML and overrides
 
+TOP_KEYS = ("seed", "out_dir", "device", "dtype", "compile")
 
-@cache
+
 def key_docs() -> dict[str, str]:
-    """Each key's docstring, read from this class's source (the single documentation of the keys)."""
-    return _attribute_docs(TrainConfig)
+    """Every key's docstring, read from the dataclasses' source (the single documentation of the keys): the
+    sections' keys dotted (`optimizer.lr`), the run's own keys plain (`seed`).
 
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """The string after each annotated field of a dataclass's source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)  # type: ignore[attr-defined]
+    Example:
+        >>> key_docs()["optimizer.lr"]
+        'Peak learning rate.'
+    """
+    docs = {k: v for k, v in field_docs(TrainConfig).items() if k not in SECTIONS}
+    for name, cls in SECTIONS.items():
+        docs.update({f"{name}.{k}": v for k, v in field_docs(cls).items()})
     return docs
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    names = [f.name for f in fields(TrainConfig)]
-    close = difflib.get_close_matches(key, names, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(names)}"
-    return ConfigError(f"{where}: unknown key {key!r}{hint}")
+    """The error for a key no section has; an old or a leaf name close to the key suggests the key in full."""
+    dotted = [k for k in key_docs() if "." in k]
+    by_leaf = {**{k.rpartition(".")[2]: k for k in dotted}, **FLAT_KEYS}
+    names = [*TOP_KEYS, *dotted]
+    close = difflib.get_close_matches(key, names, n=3) or [
+        by_leaf[k] for k in difflib.get_close_matches(key.rpartition(".")[2], list(by_leaf), n=3)
+    ]
+    hint = (
+        f"did you mean {', '.join(dict.fromkeys(close))}?"
+        if close
+        else f"known keys: {', '.join(TOP_KEYS)} and the sections' (corpusforge train --list-keys)"
+    )
+    return ConfigError(f"{where}: unknown key {key!r}; {hint}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` → (key, value), the value read as TOML when it is TOML, else as a string.
 
     Example:
-        >>> parse_override("lr=3e-4"), parse_override("out_dir=runs/a")
-        (('lr', 0.0003), ('out_dir', 'runs/a'))
+        >>> parse_override("optimizer.lr=3e-4"), parse_override("out_dir=runs/a")
+        (('optimizer.lr', 0.0003), ('out_dir', 'runs/a'))
     """
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
@@ -588,11 +703,87 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def nest_flat_keys(values: dict[str, Any], where: str, warn: bool = True) -> dict[str, Any]:
+    """A table of a config file (or a recorded config) with every flat key of an earlier version moved into its
+    section (`lr` → optimizer.lr), one ConfigDeprecationWarning each when `warn`; other keys are left as they are.
+
+    Example:
+        >>> nest_flat_keys({"lr": 1e-3, "seed": 1, "schedule": {"max_steps": 5}}, "c.toml", warn=False)
+        {'seed': 1, 'schedule': {'max_steps': 5}, 'optimizer': {'lr': 0.001}}
+    """
+    table: dict[str, Any] = {}
+    moved: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        if key == "parallel" and isinstance(value, str):  # the old parallel = "ddp" / "fsdp": its own meaning
+            if value not in PARALLEL_LEGACY:
+                raise ConfigError(f"{where}: parallel = {value!r}: choose one of {list(PARALLEL_LEGACY)} or set "
+                                  "parallel.KEY")  # fmt: skip
+            moved += [(f"parallel.{k}", v) for k, v in PARALLEL_LEGACY[value].items()]
+        elif key in FLAT_KEYS and not (key in SECTIONS and isinstance(value, dict)):
+            if warn:
+                section, _, leaf = FLAT_KEYS[key].partition(".")
+                warnings.warn(
+                    f"{where}: key {key!r} is deprecated; write {FLAT_KEYS[key]} (in a file: [{section}] {leaf} = ...)",
+                    ConfigDeprecationWarning,
+                    stacklevel=3,
+                )
+            moved.append((FLAT_KEYS[key], value))
+        else:
+            table[key] = value
+    for dotted, value in moved:
+        section, _, leaf = dotted.partition(".")
+        table.setdefault(section, {})
+        if not isinstance(table[section], dict):
+            raise ConfigError(f"{where}: {section} must be the section [{section}], got {table[section]!r}")
+        table[section][leaf] = value
+    return table
+
+
+def _dotted(key: str, value: Any, text: str) -> dict[str, Any]:
+    """An override's key=value as a table: `optimizer.lr` → {"optimizer": {"lr": v}}; only storage_options has a
+    level below its section."""
+    first, _, rest = key.partition(".")
+    if not rest:
+        return {key: value}
+    if first not in SECTIONS:
+        raise _unknown_key(key, f"override {text!r}")
+    parts = rest.split(".")
+    if first == "storage" and (not all(parts) or len(parts) > 2 or (len(parts) == 2 and parts[0] != "storage_options")):
+        raise ConfigError(f"override {text!r}: write storage.KEY=value or storage.storage_options.KEY=value")
+    if first != "storage" and len(parts) > 1:
+        raise ConfigError(f"override {text!r}: write {first}.KEY=value")
+    inner: Any = value
+    for part in reversed(parts):
+        inner = {part: inner}
+    return {first: inner}
+
+
+def _merge(table: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """Put the keys of one source (the file, an override) into the run's table; later sources win, key by key."""
+    for key, value in new.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {key} must be the section [{key}], got {value!r}")
+            section = table.setdefault(key, {})
+            for leaf, v in value.items():
+                if isinstance(v, dict) and isinstance(section.get(leaf), dict):
+                    section[leaf] = {**section[leaf], **v}  # storage.storage_options, key by key
+                else:
+                    section[leaf] = v
+        elif key in TOP_KEYS:
+            table[key] = value
+        elif isinstance(value, dict):
+            raise ConfigError(
+                f"{where}: [{key}]: not a section; the sections are {', '.join(f'[{s}]' for s in SECTIONS)}"
+            )
+        else:
+            raise _unknown_key(key, where)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides."""
-    known = {f.name for f in fields(TrainConfig)}
-    values: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {"storage": {}, "parallel": {}, "retro": {}}
+    """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides; flat keys
+    of earlier versions are read with a ConfigDeprecationWarning naming the new key."""
+    table: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
@@ -601,55 +792,27 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path}: no such config file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        for key, value in data.items():
-            if key == "parallel" and isinstance(value, str):  # the old parallel = "ddp" / "fsdp"
-                sections["parallel"].update(_legacy_parallel(value, str(path)))
-                continue
-            if key in sections:
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{path}: {key} must be the section [{key}], got {value!r}")
-                sections[key].update(value)
-                continue
-            if isinstance(value, dict):
-                raise ConfigError(
-                    f"{path}: [{key}]: sections are not used (except [storage], [parallel], [retro]); write flat lines"
-                )
-            if key not in known:
-                raise _unknown_key(key, str(path))
-            values[key] = value
+        _merge(table, nest_flat_keys(data, str(path)), str(path))
     for text in overrides:
         key, value = parse_override(text)
-        if key.startswith("storage."):
-            _set_dotted(sections["storage"], key.split(".")[1:], value, text)
-            continue
-        if key.startswith("parallel."):
-            sections["parallel"][key.partition(".")[2]] = value
-            continue
-        if key.startswith("retro."):
-            sections["retro"][key.partition(".")[2]] = value
-            continue
-        if key == "parallel" and isinstance(value, str):
-            sections["parallel"].update(_legacy_parallel(value, f"override {text!r}"))
-            continue
-        if key not in known:
-            raise _unknown_key(key, f"override {text!r}")
-        values[key] = value
-    if sections["storage"]:
-        values["storage"] = storage_config(sections["storage"], f"{path or 'config'}: [storage]")
-    if sections["parallel"]:
-        values["parallel"] = parallel_config(sections["parallel"], f"{path or 'config'}: [parallel]")
-    if sections["retro"]:
-        values["retro"] = retro_section(sections["retro"], f"{path or 'config'}: [retro]")
+        where = f"override {text!r}"
+        _merge(table, nest_flat_keys(_dotted(key, value, text), where), where)
+    where = str(path or "config")
+    values = {k: v for k, v in table.items() if k not in SECTIONS}
+    for name in SECTIONS:
+        if name in table:
+            values[name] = _section(name, table[name], where)
     try:
         return TrainConfig(**values)
     except ConfigError as e:
-        raise ConfigError(f"{path or 'config'}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def _legacy_parallel(value: str, where: str) -> dict[str, int]:
-    if value not in PARALLEL_LEGACY:
-        raise ConfigError(f"{where}: parallel = {value!r}: choose one of {list(PARALLEL_LEGACY)} or set parallel.KEY")
-    return dict(PARALLEL_LEGACY[value])
+def _section(name: str, values: dict[str, Any], where: str) -> Any:
+    """The dataclass of section `name` from its table; its keys' types are checked by TrainConfig."""
+    if name == "storage":
+        return storage_config(values, f"{where}: [storage]")
+    return from_table(SECTIONS[name], values, f"{where}: [{name}]", ConfigError, check_types=False)
 
 
 def parallel_config(values: dict[str, Any], where: str = "[parallel]") -> ParallelConfig:
@@ -659,40 +822,7 @@ def parallel_config(values: dict[str, Any], where: str = "[parallel]") -> Parall
         >>> parallel_config({"tp": 2, "dp_shard": -1}).tp
         2
     """
-    names = [f.name for f in fields(ParallelConfig)]
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
-    return ParallelConfig(**values)
-
-
-def retro_section(values: dict[str, Any], where: str = "[retro]") -> RetroSection:
-    """A RetroSection from the [retro] section's values; unknown keys are ConfigErrors with a suggestion.
-
-    Example:
-        >>> retro_section({"db": "db/", "num_neighbours": 2}).db
-        'db/'
-    """
-    names = [f.name for f in fields(RetroSection)]
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
-    return RetroSection(**values)
-
-
-def _set_dotted(table: dict[str, Any], keys: list[str], value: Any, text: str) -> None:
-    """storage.a.b=v → table["a"]["b"] = v (only storage_options has a level below storage)."""
-    if not keys or not all(keys) or len(keys) > 2 or (len(keys) == 2 and keys[0] != "storage_options"):
-        raise ConfigError(f"override {text!r}: write storage.KEY=value or storage.storage_options.KEY=value")
-    if len(keys) == 2:
-        table = table.setdefault("storage_options", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"override {text!r}: storage.storage_options is not a table")
-    table[keys[-1]] = value
+    return from_table(ParallelConfig, values, where, ConfigError, check_types=False)
 
 
 def storage_config(values: dict[str, Any], where: str = "[storage]") -> StorageConfig:
@@ -703,43 +833,47 @@ def storage_config(values: dict[str, Any], where: str = "[storage]") -> StorageC
         >>> storage_config({"read_mode": "direct", "storage_options": {"endpoint_url": "http://rgw:7480"}}).read_mode
         'direct'
     """
-    names = [f.name for f in fields(StorageConfig)]
-    hints = typing.get_type_hints(StorageConfig)
-    for key, value in values.items():
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown key {key!r}; {hint}")
-        if key == "storage_options":
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: storage_options = {value!r}: expected a table of fsspec options")
-        elif not _accepts(hints[key], value):
-            raise ConfigError(f"{where}: {key} = {value!r}: expected {hints[key]}")
-    try:
-        return StorageConfig(**values)
-    except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
+    options = values.get("storage_options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}: storage_options = {options!r}: expected a table of fsspec options")
+    return from_table(StorageConfig, values, where, ConfigError)
+
+
+def config_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config (a `to_dict()`, of this version or of one that wrote flat keys) as one level of dotted
+    keys, so that two runs' configs compare key by key (`schedule.max_steps`).
+
+    Example:
+        >>> config_keys({"max_steps": 40, "seed": 1})
+        {'seed': 1, 'schedule.max_steps': 40}
+    """
+    table = nest_flat_keys(values, "recorded config", warn=False)
+    flat = {}
+    for key, value in table.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 def describe_keys() -> str:
-    """Every key with its default and documentation, for `--list-keys`."""
+    """Every key with its default and documentation, for `--list-keys`: the sections' keys under their header."""
+    docs = field_docs(TrainConfig)
     lines = []
     for f in fields(TrainConfig):
-        if f.name == "storage":
-            lines.append(f"[storage]\n    {key_docs().get(f.name, '')}")
-            docs = _attribute_docs(StorageConfig)
-            for sf in fields(StorageConfig):
-                default = sf.default if sf.default is not MISSING else sf.default_factory()  # type: ignore[misc]
-                lines.append(f"storage.{sf.name} = {json.dumps(default)}\n    {docs.get(sf.name, '')}")
+        if f.name not in SECTIONS:
+            lines.append(f"{f.name} = {json.dumps(field_default(f))}\n    {_indent(docs.get(f.name, ''))}")
             continue
-        if f.name in ("parallel", "retro"):
-            section = ParallelConfig if f.name == "parallel" else RetroSection
-            lines.append(f"[{f.name}]\n    {key_docs().get(f.name, '')}")
-            docs = _attribute_docs(section)
-            for pf in fields(section):
-                default = pf.default if pf.default is not MISSING else pf.default_factory()  # type: ignore[misc]
-                lines.append(f"{f.name}.{pf.name} = {json.dumps(default)}\n    {docs.get(pf.name, '')}")
-            continue
-        default = f.default if f.default is not MISSING else "(required)"
-        lines.append(f"{f.name} = {json.dumps(default)}\n    {key_docs().get(f.name, '')}")
+        section = SECTIONS[f.name]
+        lines.append(f"[{f.name}]\n    {_indent(docs.get(f.name, ''))}")
+        section_docs = field_docs(section)
+        for sf in fields(section):
+            default = field_default(sf)
+            shown = "(required)" if default is MISSING else json.dumps(default)
+            lines.append(f"{f.name}.{sf.name} = {shown}\n    {_indent(section_docs.get(sf.name, ''))}")
     return "\n".join(lines)
+
+
+def _indent(doc: str) -> str:
+    return doc.replace("\n", "\n    ")

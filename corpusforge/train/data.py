@@ -39,11 +39,11 @@ class SyntheticLoader:
         import torch
 
         g = torch.Generator(device="cpu").manual_seed(cfg.seed)
-        shape = (pool, cfg.micro_batch_size, cfg.seq_length + 1)
-        text = torch.randint(0, cfg.vocab_size, shape, generator=g, dtype=torch.int32).to(device)
+        shape = (pool, cfg.schedule.micro_batch_size, cfg.model.seq_length + 1)
+        text = torch.randint(0, cfg.model.vocab_size, shape, generator=g, dtype=torch.int32).to(device)
         self.tokens, self.labels = text[..., :-1].contiguous(), text[..., 1:].contiguous()
-        self.loss_mask = torch.ones(shape[1:2] + (cfg.seq_length,), dtype=torch.float32, device=device)
-        self.position_ids = torch.arange(cfg.seq_length, dtype=torch.int32, device=device).expand(shape[1], -1)
+        self.loss_mask = torch.ones(shape[1:2] + (cfg.model.seq_length,), dtype=torch.float32, device=device)
+        self.position_ids = torch.arange(cfg.model.seq_length, dtype=torch.int32, device=device).expand(shape[1], -1)
         self.consumed = 0
 
     def __iter__(self):
@@ -75,26 +75,28 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
     from corpusforge.data import build_gpt_datasets, make_loader, read_modes
 
     if cfg.family == "retro":
-        if cfg.data_source == "synthetic":
-            raise ConfigError('data_source = "synthetic" is for GPT models; a RETRO model reads [retro] db')
+        if cfg.data.source == "synthetic":
+            raise ConfigError('data.source = "synthetic" is for GPT models; a RETRO model reads [retro] db')
         return build_retro_data(cfg, rank, world_size)
-    if cfg.data_source == "synthetic":
-        valid = SyntheticLoader(cfg, device) if cfg.eval_interval else None
-        return TrainData(SyntheticLoader(cfg, device), valid, cfg.max_steps * cfg.global_batch_tokens // cfg.seq_length,
-                         cfg.max_steps * cfg.global_batch_tokens)  # fmt: skip
-    if not cfg.data_path:
-        raise ConfigError("data_path is empty: give a token dataset prefix such as out/tiny_text_document")
-    samples_per_step = cfg.global_batch_tokens // cfg.seq_length
-    train_samples = cfg.max_steps * samples_per_step
-    valid_samples = cfg.eval_batches * cfg.micro_batch_size * world_size if cfg.eval_interval else 0
-    cache_dir = cfg.data_cache_dir or str(Path(cfg.out_dir) / "index-cache")
+    if cfg.data.source == "synthetic":
+        valid = SyntheticLoader(cfg, device) if cfg.metrics.eval_interval else None
+        tokens = cfg.schedule.max_steps * cfg.schedule.global_batch_tokens
+        return TrainData(SyntheticLoader(cfg, device), valid, tokens // cfg.model.seq_length, tokens)
+    if not cfg.data.path:
+        raise ConfigError("data.path is empty: give a token dataset prefix such as out/tiny_text_document")
+    samples_per_step = cfg.schedule.global_batch_tokens // cfg.model.seq_length
+    train_samples = cfg.schedule.max_steps * samples_per_step
+    valid_samples = (
+        cfg.metrics.eval_batches * cfg.schedule.micro_batch_size * world_size if cfg.metrics.eval_interval else 0
+    )
+    cache_dir = cfg.data.cache_dir or str(Path(cfg.out_dir) / "index-cache")
 
     def build():
         try:
             return build_gpt_datasets(
-                cfg.data_path,
-                seq_length=cfg.seq_length,
-                split=cfg.split,
+                cfg.data.path,
+                seq_length=cfg.model.seq_length,
+                split=cfg.data.split,
                 seed=cfg.seed,
                 num_samples=(train_samples, valid_samples, 0),
                 cache_dir=cache_dir,
@@ -109,27 +111,29 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
     if barrier is not None and rank == 0:
         barrier()
     if train is None:
-        raise DataError(f"split {cfg.split!r} gives the train split no data")
+        raise DataError(f"split {cfg.data.split!r} gives the train split no data")
     tokens = _split_tokens(train)
-    if tokens < cfg.global_batch_tokens:
+    if tokens < cfg.schedule.global_batch_tokens:
         raise DataError(
-            f"{cfg.data_path}: the train split holds {tokens:,} tokens, fewer than one global batch of "
-            f"{cfg.global_batch_tokens:,}; every batch would repeat the same tokens. Use more data or a smaller "
-            f"global_batch_tokens"
+            f"{cfg.data.path}: the train split holds {tokens:,} tokens, fewer than one global batch of "
+            f"{cfg.schedule.global_batch_tokens:,}; every batch would repeat the same tokens. Use more data or a "
+            f"smaller schedule.global_batch_tokens"
         )
-    if cfg.eval_interval and valid is None:
-        raise DataError(f"split {cfg.split!r} gives validation no data; change split or set eval_interval=0")
+    if cfg.metrics.eval_interval and valid is None:
+        raise DataError(
+            f"split {cfg.data.split!r} gives validation no data; change data.split or set metrics.eval_interval=0"
+        )
     options = _loader_options(cfg)
-    train_loader = make_loader(train, cfg.micro_batch_size, rank, world_size, cfg.num_workers, **options)
+    train_loader = make_loader(train, cfg.schedule.micro_batch_size, rank, world_size, cfg.data.num_workers, **options)
     valid_loader = None
-    if cfg.eval_interval:
-        valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
+    if cfg.metrics.eval_interval:
+        valid_loader = make_loader(valid, cfg.schedule.micro_batch_size, rank, world_size, 0)
     return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train))
 
 
 def _loader_options(cfg: TrainConfig) -> dict[str, Any]:
-    options = {"pin_memory": cfg.device != "cpu" and _cuda(), "persistent_workers": cfg.num_workers > 0}
-    if cfg.num_workers > 0:
+    options = {"pin_memory": cfg.device != "cpu" and _cuda(), "persistent_workers": cfg.data.num_workers > 0}
+    if cfg.data.num_workers > 0:
         options["prefetch_factor"] = 4
     return options
 
@@ -152,38 +156,38 @@ def build_retro_data(cfg: TrainConfig, rank: int, world_size: int) -> TrainData:
         raise ConfigError('retro.db is empty: give the directory `corpusforge build-knn` wrote, e.g. retro.db="db/"')
     db = Path(r.db)
     check_retro_database(cfg, db)
-    common = dict(seq_length=cfg.seq_length, num_neighbours=r.num_neighbours, chunk_length=r.chunk_length,
+    common = dict(seq_length=cfg.model.seq_length, num_neighbours=r.num_neighbours, chunk_length=r.chunk_length,
                   retrieved_chunks=r.retrieved_chunks, seed=cfg.seed,
                   neighbours_path=r.neighbours_path or None)  # fmt: skip
     whole = RetroDataset(db, **common)  # raises for another chunk length, too few neighbours, a short file
     n = len(whole)
-    train_range, valid_range, _ = split_ranges(cfg.split, n)
+    train_range, valid_range, _ = split_ranges(cfg.data.split, n)
     if train_range is None or train_range[1] <= train_range[0]:
-        raise DataError(f"{db}: split {cfg.split!r} gives the train split none of the {n} samples")
-    samples_per_step = cfg.global_batch_tokens // cfg.seq_length
-    train_samples = cfg.max_steps * samples_per_step
-    tokens = (train_range[1] - train_range[0]) * cfg.seq_length
-    if tokens < cfg.global_batch_tokens:
+        raise DataError(f"{db}: split {cfg.data.split!r} gives the train split none of the {n} samples")
+    samples_per_step = cfg.schedule.global_batch_tokens // cfg.model.seq_length
+    train_samples = cfg.schedule.max_steps * samples_per_step
+    tokens = (train_range[1] - train_range[0]) * cfg.model.seq_length
+    if tokens < cfg.schedule.global_batch_tokens:
         raise DataError(
             f"{db}: the train split holds {tokens:,} tokens, fewer than one global batch of "
-            f"{cfg.global_batch_tokens:,}; use a larger database or a smaller global_batch_tokens"
+            f"{cfg.schedule.global_batch_tokens:,}; use a larger database or a smaller schedule.global_batch_tokens"
         )
     train = RetroDataset(db, **common, sample_range=train_range, num_samples=train_samples)
     options = _loader_options(cfg)
-    train_loader = make_loader(train, cfg.micro_batch_size, rank, world_size, cfg.num_workers, **options)
+    train_loader = make_loader(train, cfg.schedule.micro_batch_size, rank, world_size, cfg.data.num_workers, **options)
     valid_loader = random_loader = None
-    if cfg.eval_interval:
+    if cfg.metrics.eval_interval:
         if valid_range is None or valid_range[1] <= valid_range[0]:
             raise DataError(
-                f"{db}: split {cfg.split!r} gives validation none of the {n} samples; change split or set "
-                f"eval_interval=0"
+                f"{db}: split {cfg.data.split!r} gives validation none of the {n} samples; change data.split or set "
+                f"metrics.eval_interval=0"
             )
-        valid_samples = cfg.eval_batches * cfg.micro_batch_size * world_size
+        valid_samples = cfg.metrics.eval_batches * cfg.schedule.micro_batch_size * world_size
         valid = RetroDataset(db, **common, sample_range=valid_range, num_samples=valid_samples)
-        valid_loader = make_loader(valid, cfg.micro_batch_size, rank, world_size, 0)
+        valid_loader = make_loader(valid, cfg.schedule.micro_batch_size, rank, world_size, 0)
         if r.random_eval:
             rand = RetroDataset(db, **common, sample_range=valid_range, num_samples=valid_samples, neighbours="random")
-            random_loader = make_loader(rand, cfg.micro_batch_size, rank, world_size, 0)
+            random_loader = make_loader(rand, cfg.schedule.micro_batch_size, rank, world_size, 0)
     modes = {str(db): "mmap (chunk tables, neighbours and token files memory-mapped)"}
     return TrainData(train_loader, valid_loader, train_samples, tokens, modes, random_loader)
 
@@ -221,21 +225,21 @@ def check_retro_database(cfg: TrainConfig, db: Path) -> None:
                 f"{db}: {prefix} changed since the database was built (its chunks and neighbours describe other "
                 f"tokens); rerun corpusforge build-knn on it"
             )
-    if cfg.data_path:
-        if not isinstance(cfg.data_path, str):
+    if cfg.data.path:
+        if not isinstance(cfg.data.path, str):
             raise ConfigError(
-                "data_path: a RETRO model trains on one dataset, not a blend; give its prefix or leave it empty"
+                "data.path: a RETRO model trains on one dataset, not a blend; give its prefix or leave it empty"
             )
         same = False
         try:
-            same = data_fingerprint(cfg.data_path)["sha256"] == data_fingerprint(query)["sha256"]
+            same = data_fingerprint(cfg.data.path)["sha256"] == data_fingerprint(query)["sha256"]
         except OSError:
-            raise DataError(f"{cfg.data_path}: no such token dataset (.bin/.idx)") from None
+            raise DataError(f"{cfg.data.path}: no such token dataset (.bin/.idx)") from None
         if not same:
             raise DataError(
-                f"{db}: its neighbours cover the chunks of {query}, not of data_path {cfg.data_path}; compute them "
-                f"with corpusforge build-knn {corpus} --output {db} --query-prefix {cfg.data_path} (a new database "
-                f"directory), or leave data_path empty"
+                f"{db}: its neighbours cover the chunks of {query}, not of data.path {cfg.data.path}; compute them "
+                f"with corpusforge build-knn {corpus} --output {db} --query-prefix {cfg.data.path} (a new database "
+                f"directory), or leave data.path empty"
             )
     mine, theirs = recorded_tokenizer(query), recorded_tokenizer(corpus)
     if mine is not None and theirs is not None and mine.fingerprint != theirs.fingerprint:
@@ -256,6 +260,6 @@ def check_vocab(tokens, labels, vocab_size: int, data_path: Any) -> None:
     top = max(int(tokens.max()), int(labels.max()))
     if top >= vocab_size:
         raise DataError(
-            f"{data_path}: token id {top} is not below vocab_size {vocab_size}; set vocab_size to the tokenizer's "
-            f"vocabulary (cl100k_base: 100277, gpt2: 50257)"
+            f"{data_path}: token id {top} is not below vocab_size {vocab_size}; set model.vocab_size to the "
+            f"tokenizer's vocabulary (cl100k_base: 100277, gpt2: 50257)"
         )

@@ -122,10 +122,10 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_cfg: GPTConfig | Lla
         for name, size in model_heads(model_cfg).items():
             if size % layout.tp:
                 raise ConfigError(f"parallel.tp = {layout.tp} does not divide {name} {size}; choose a tp that does")
-        if p.sequence_parallel and cfg.seq_length % layout.tp:
+        if p.sequence_parallel and cfg.model.seq_length % layout.tp:
             raise ConfigError(
-                f"parallel.tp = {layout.tp} does not divide seq_length {cfg.seq_length} (sequence parallel splits "
-                f"it); change seq_length or set parallel.sequence_parallel=false"
+                f"parallel.tp = {layout.tp} does not divide seq_length {cfg.model.seq_length} (sequence parallel "
+                f"splits it); change model.seq_length or set parallel.sequence_parallel=false"
             )
     if p.cpu_offload and not layout.fsdp:
         raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.dp_shard above 1 (or -1)")
@@ -163,9 +163,9 @@ def pipeline_split(cfg: TrainConfig, layout: Layout, mcfg: GPTConfig | LlamaConf
         stages.append(tuple(range(start, start + n)))
         start += n
     micro = p.pp_microbatches or n_stages
-    if cfg.micro_batch_size % micro:
+    if cfg.schedule.micro_batch_size % micro:
         raise ConfigError(
-            f"parallel.pp_microbatches = {micro} does not divide micro_batch_size {cfg.micro_batch_size}; the "
+            f"parallel.pp_microbatches = {micro} does not divide micro_batch_size {cfg.schedule.micro_batch_size}; the "
             f"pipeline cuts each batch into equal micro-batches"
         )
     if p.pp_schedule == "ZBVZeroBubble" and getattr(mcfg, "tie_embeddings", True):

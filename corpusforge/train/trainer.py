@@ -30,7 +30,7 @@ from corpusforge.train import checkpoint as ckpt
 from corpusforge.train import llama, retro_model
 from corpusforge.train import parallel as par
 from corpusforge.train import pipeline as pipe
-from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps
+from corpusforge.train.config import ConfigError, TrainConfig, config_keys, grad_accum_steps
 from corpusforge.train.data import TrainData, build_data, check_vocab
 from corpusforge.train.llama import Llama, LlamaConfig
 from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, percentiles_ms
@@ -99,22 +99,23 @@ def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:
     n_layer, n_head, n_embd = cfg.model_shape()
-    return GPTConfig(n_layer, n_head, n_embd, cfg.vocab_size, cfg.seq_length, cfg.dropout, cfg.bias)
+    m = cfg.model
+    return GPTConfig(n_layer, n_head, n_embd, m.vocab_size, m.seq_length, m.dropout, m.bias)
 
 
 def retro_config(cfg: TrainConfig) -> RetroConfig:
     """A RETRO preset (or model = "retro": n_layer, n_head, n_embd) with the [retro] keys that are set."""
     n_layer, n_head, n_embd = cfg.model_shape()
     r = cfg.retro
-    keys = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=cfg.dropout, bias=cfg.bias,
+    keys = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias,
                 chunk_length=r.chunk_length, num_neighbours=r.num_neighbours,
                 retrieved_chunks=r.retrieved_chunks)  # fmt: skip
     keys.update({k: getattr(r, k) for k in ("encoder_layers", "encoder_n_embd", "encoder_n_head") if getattr(r, k)})
     if r.cca_layers:
         keys["cca_layers"] = tuple(r.cca_layers)
-    if cfg.model == "retro":
-        return RetroConfig(vocab_size=cfg.vocab_size, block_size=cfg.seq_length, **keys)
-    return retro_model.retro_preset(cfg.model, cfg.vocab_size, cfg.seq_length, **keys)
+    if cfg.model.name == "retro":
+        return RetroConfig(vocab_size=cfg.model.vocab_size, block_size=cfg.model.seq_length, **keys)
+    return retro_model.retro_preset(cfg.model.name, cfg.model.vocab_size, cfg.model.seq_length, **keys)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -124,8 +125,8 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     if cfg.family == "retro":
         return retro_config(cfg)
     n_layer, n_head, n_embd = cfg.model_shape()
-    return LlamaConfig(n_layer, n_head, n_embd=n_embd, vocab_size=cfg.vocab_size, block_size=cfg.seq_length,
-                       dropout=cfg.dropout, **cfg.llama_shape())  # fmt: skip
+    return LlamaConfig(n_layer, n_head, n_embd=n_embd, vocab_size=cfg.model.vocab_size,
+                       block_size=cfg.model.seq_length, dropout=cfg.model.dropout, **cfg.llama_shape())  # fmt: skip
 
 
 def build_model(mcfg: ModelConfig) -> GPT | Llama | RetroModel:
@@ -166,11 +167,11 @@ def memory_estimate(g: GPTConfig | LlamaConfig, n_params: int, cfg: TrainConfig,
     params = par.rank_parameters(layout, g, stages, n_params)
     weights = params * 4 / (layout.dp_shard if layout.fsdp else 1)
     half = dtype in (torch.bfloat16, torch.float16)
-    t, c = cfg.seq_length, g.n_embd
-    layers, b, in_flight, has_head = g.n_layer, cfg.micro_batch_size, 1, True
+    t, c = cfg.model.seq_length, g.n_embd
+    layers, b, in_flight, has_head = g.n_layer, cfg.schedule.micro_batch_size, 1, True
     if layout.pp > 1:
         layers = sum(len(layout.stage_layers[s]) for s in stages)
-        b = cfg.micro_batch_size // layout.microbatches
+        b = cfg.schedule.micro_batch_size // layout.microbatches
         in_flight = layout.microbatches if cfg.parallel.pp_schedule == "GPipe" else min(layout.microbatches, layout.pp)
         has_head = len(layout.stage_layers) - 1 in stages
     per_token_layer = {"none": 34 if half else 68, "selective": 20 if half else 40, "full": 2 if half else 4}
@@ -215,22 +216,22 @@ class Plan:
         return contextlib.nullcontext()
 
     def summary(self) -> dict[str, Any]:
-        steps = self.cfg.max_steps
+        steps = self.cfg.schedule.max_steps
         return {
-            "model": self.cfg.model,
+            "model": self.cfg.model.name,
             "shape": model_shape(self.gpt),
             "params": self.n_params,
             "ranks": self.rt.world_size,
             "device": str(self.rt.device),
             "family": self.cfg.family,
             "layout": {d: getattr(self.layout, d) for d in par.DIMS},
-            "micro_batch_size": self.cfg.micro_batch_size,
+            "micro_batch_size": self.cfg.schedule.micro_batch_size,
             "grad_accum": self.grad_accum,
-            "tokens_per_step": self.cfg.global_batch_tokens,
+            "tokens_per_step": self.cfg.schedule.global_batch_tokens,
             "max_steps": steps,
-            "train_tokens": steps * self.cfg.global_batch_tokens,
+            "train_tokens": steps * self.cfg.schedule.global_batch_tokens,
             "train_split_tokens": self.data.train_tokens_per_epoch if self.data else None,
-            "epochs": round(steps * self.cfg.global_batch_tokens / self.data.train_tokens_per_epoch, 3)
+            "epochs": round(steps * self.cfg.schedule.global_batch_tokens / self.data.train_tokens_per_epoch, 3)
             if self.data
             else None,
             "data_read_modes": self.data.read_modes if self.data else None,
@@ -242,9 +243,9 @@ class Plan:
 
 def find_resume(cfg: TrainConfig, shape: dict[str, int]) -> Path | None:
     """The checkpoint to resume from (None for a fresh run), already checked against the model shape."""
-    if cfg.resume == "never":
+    if cfg.checkpoint.resume == "never":
         return None
-    path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    path = ckpt.latest_checkpoint(cfg.out_dir) if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
     if path is None:
         return None
     ckpt.check_compatible(path, ckpt.load_meta(path), shape)
@@ -263,10 +264,10 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
         model = build_model(g)
     n_params = model.num_params()
     if isinstance(g, RetroConfig):  # the encoder and the cross-attentions counted too
-        fpt = retro_model.flops_per_token(g, cfg.seq_length)
+        fpt = retro_model.flops_per_token(g, cfg.model.seq_length)
     else:
         fpt = (llama.flops_per_token if isinstance(g, LlamaConfig) else flops_per_token)(
-            g, model.num_params(embeddings=False), cfg.seq_length
+            g, model.num_params(embeddings=False), cfg.model.seq_length
         )
     dtype = autocast_dtype(cfg, rt.device)
     memory = max((memory_estimate(g, n_params, cfg, layout, dtype, r) for r in range(layout.pp)),
@@ -401,9 +402,10 @@ class DataStream:
         cfg = self.plan.cfg
         retro = "neighbours" in batch
         if batch["tokens"].device.type == "cpu":  # on the device, .max() would wait for the GPU every micro-batch
-            check_vocab(batch["tokens"], batch["labels"], cfg.vocab_size, cfg.data_path or cfg.retro.db)
+            check_vocab(batch["tokens"], batch["labels"], cfg.model.vocab_size, cfg.data.path or cfg.retro.db)
             if retro:  # the neighbours are tokens of the database's corpus: the same embedding reads them
-                check_vocab(batch["neighbours"], batch["neighbours"], cfg.vocab_size, f"{cfg.retro.db} (neighbours)")
+                where = f"{cfg.retro.db} (neighbours)"
+                check_vocab(batch["neighbours"], batch["neighbours"], cfg.model.vocab_size, where)
         keys = ("tokens", "labels", "loss_mask", "position_ids") + (("neighbours", "neighbour_mask") if retro else ())
         dev = {k: batch[k].to(self.plan.rt.device, non_blocking=self.non_blocking) for k in keys}
         for k in ("tokens", "labels", "position_ids") + (("neighbours",) if retro else ()):
@@ -464,7 +466,7 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
                 loss = loss_of(logits, batch["labels"], batch["loss_mask"]) / plan.grad_accum
             loss.backward()
         loss_sum += loss.detach()
-    clip = plan.cfg.grad_clip if plan.cfg.grad_clip > 0 else math.inf
+    clip = plan.cfg.optimizer.grad_clip if plan.cfg.optimizer.grad_clip > 0 else math.inf
     pp_group = None
     if plan.schedule is not None:
         pipe.sync_tied_grads(list(plan.model), plan.tied_group)
@@ -484,7 +486,7 @@ def evaluate(plan: Plan, loss_of, random_neighbours: bool = False) -> float:
     stream = DataStream(loader, plan)
     plan.model.eval()
     total = torch.zeros((), device=plan.rt.device)
-    for _ in range(plan.cfg.eval_batches):
+    for _ in range(plan.cfg.metrics.eval_batches):
         batch, _ = stream.next()
         if plan.schedule is not None:
             total += pipeline_pass(plan, batch, train=False) * plan.grad_accum  # the loss carries 1/grad_accum
@@ -492,7 +494,7 @@ def evaluate(plan: Plan, loss_of, random_neighbours: bool = False) -> float:
         with autocast(plan), plan.loss_context():
             total += loss_of(forward(plan, batch), batch["labels"], batch["loss_mask"])
     plan.model.train()
-    return float(all_mean(total / plan.cfg.eval_batches, plan))
+    return float(all_mean(total / plan.cfg.metrics.eval_batches, plan))
 
 
 def gather_waits(waits: list[float], plan: Plan) -> list[list[float]]:
@@ -553,7 +555,8 @@ def resume(plan: Plan, log: Log) -> int:
         plan.data.train.load_state_dict(state["loader"])
     except LoaderStateError as e:  # say it in config keys (max_steps 40 -> 80), not in the loader's num_samples
         saved = ckpt.load_meta(plan.resume_from).get("config", {})
-        raise ckpt.resume_refused(plan.resume_from, saved, plan.cfg.to_dict(), str(e)) from None
+        now = config_keys(plan.cfg.to_dict())  # dotted keys; a checkpoint's flat keys of an older version too
+        raise ckpt.resume_refused(plan.resume_from, config_keys(saved), now, str(e)) from None
     rngs = state["rng"]
     if len(rngs) != plan.rt.world_size:
         log(
@@ -622,8 +625,8 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    writer = MetricsWriter(out, rt.is_main, cfg.tensorboard)
-    saver = ckpt.Checkpointer(out, rt.rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    writer = MetricsWriter(out, rt.is_main, cfg.metrics.tensorboard)
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write)
     start = resume(plan, log) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
@@ -631,13 +634,14 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 matmuls left outside autocast
         torch.backends.cudnn.allow_tf32 = True
     loss_of = torch.compile(loss_fn) if use_compile(cfg, rt.device) else loss_fn
-    peak = cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None)
+    on_gpu = rt.device.type == "cuda"
+    peak = cfg.metrics.peak_flops or (peak_flops(torch.cuda.get_device_name(rt.device)) if on_gpu else None)
     info = plan.summary()
     writer.write("plan", info)
     log(f"plan: {json.dumps(info)}")
     if rt.device.type == "cuda" and peak is None:
         log(f"mfu: {torch.cuda.get_device_name(rt.device)} is not in the peak-FLOPS table; set peak_flops to report it")
-    last = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
+    last = min(cfg.schedule.max_steps, cfg.schedule.stop_at_step or cfg.schedule.max_steps)
     stream = DataStream(plan.data.train, plan)
     stats = Stats()
     interval_t0, interval_steps, waits = time.perf_counter(), 0, []
@@ -645,14 +649,14 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         loss, norm, waited = train_step(plan, stream, step - 1, loss_of)
         waits.append(waited)
         interval_steps += 1
-        if step % cfg.log_interval == 0 or step == last:
+        if step % cfg.metrics.log_interval == 0 or step == last:
             loss_value, norm_value = float(loss), float(norm)  # syncs the device: the interval's time is real
             elapsed = time.perf_counter() - interval_t0
-            tokens_per_s = interval_steps * cfg.global_batch_tokens / elapsed
+            tokens_per_s = interval_steps * cfg.schedule.global_batch_tokens / elapsed
             mfu = plan.flops_per_token * tokens_per_s / (peak * rt.world_size) if peak else None
             m = {
                 "step": step,
-                "max_steps": cfg.max_steps,
+                "max_steps": cfg.schedule.max_steps,
                 "loss": loss_value,
                 "lr": lr_at(step - 1, cfg),
                 "grad_norm": norm_value,
@@ -666,7 +670,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
             writer.write("train", m)
             stats.add_interval(m, interval_steps, elapsed)
             interval_t0, interval_steps, waits = time.perf_counter(), 0, []
-        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == last):
+        if cfg.metrics.eval_interval and (step % cfg.metrics.eval_interval == 0 or step == last):
             t0 = time.perf_counter()
             val = evaluate(plan, loss_of)
             stats.valid.append((step, val))
@@ -676,12 +680,12 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
                 record["retrieval_gain"] = record["val_loss_random"] - val
                 stats.valid_random.append((step, record["val_loss_random"]))
             log(
-                f"step {step:>6}/{cfg.max_steps} | "
+                f"step {step:>6}/{cfg.schedule.max_steps} | "
                 + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step")
             )
             writer.write("valid", record)
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
-        if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or step == last:
+        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == last:
             stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
     saver.wait()
     if saver.last is not None and rt.is_main:
@@ -713,7 +717,7 @@ class Stats:
 
     def summary(self, plan: Plan, start: int, last: int, saver: ckpt.Checkpointer) -> dict[str, Any]:
         steady = self.intervals[1:] or self.intervals  # the first interval holds compilation and warmup
-        tokens = sum(i["steps"] for i in steady) * plan.cfg.global_batch_tokens
+        tokens = sum(i["steps"] for i in steady) * plan.cfg.schedule.global_batch_tokens
         secs = sum(i["elapsed"] for i in steady)
         mfus = [i["mfu"] for i in steady if i["mfu"] is not None]
         waits = [w for i in steady for w in i["data_wait_ms"]]  # [p50, p99] per rank per interval

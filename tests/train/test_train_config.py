@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import ast
 import inspect
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from corpusforge.train.config import ConfigError, TrainConfig, grad_accum_steps, key_docs, load_config, parse_override
+from corpusforge.train.config import (
+    SECTIONS,
+    ConfigDeprecationWarning,
+    ConfigError,
+    OptimizerSection,
+    ScheduleSection,
+    TrainConfig,
+    config_keys,
+    grad_accum_steps,
+    key_docs,
+    load_config,
+    parse_override,
+)
 from corpusforge.train.optim import lr_at
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -17,52 +30,93 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def test_every_key_has_a_docstring():
     docs = key_docs()
-    missing = [f.name for f in fields(TrainConfig) if not docs.get(f.name)]
-    assert missing == []
-    assert "global batch" in docs["global_batch_tokens"].lower() or "optimizer step" in docs["global_batch_tokens"]
+    keys = [f.name for f in fields(TrainConfig) if f.name not in SECTIONS]
+    keys += [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)]
+    missing = [k for k in keys if not docs.get(k)]
+    assert missing == [] and len(keys) > 60
+    batch = docs["schedule.global_batch_tokens"]
+    assert "global batch" in batch.lower() or "optimizer step" in batch
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
-    cfg = load_config(path)
-    assert cfg.data_path
-    if cfg.model != "custom":
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigDeprecationWarning)  # the shipped configs are written the new way
+        cfg = load_config(path)
+    assert cfg.data.path
+    if cfg.model.name != "custom":
         assert grad_accum_steps(cfg, 8) >= 1  # the presets divide on one node of 8 GPUs
 
 
 def test_overrides_are_toml_values_or_strings(tmp_path):
     f = tmp_path / "c.toml"
-    f.write_text('data_path = "x"\nlr = 1e-3\n')
+    f.write_text('[data]\npath = "x"\n[optimizer]\nlr = 1e-3\n')
     cfg = load_config(
-        f, ["lr=3e-4", "compile=false", "out_dir=runs/a", 'data_path=["a", 0.3, "b", 0.7]', "warmup-steps=5"]
+        f,
+        [
+            "optimizer.lr=3e-4",
+            "compile=false",
+            "out_dir=runs/a",
+            'data.path=["a", 0.3, "b", 0.7]',
+            "schedule.warmup-steps=5",
+        ],
     )
-    assert (cfg.lr, cfg.compile, cfg.out_dir, cfg.warmup_steps) == (3e-4, False, "runs/a", 5)
-    assert cfg.data_path == ["a", 0.3, "b", 0.7]
-    assert parse_override("min_lr=0") == ("min_lr", 0)
-    assert load_config(None, ["min_lr=0"]).min_lr == 0.0 and isinstance(load_config(None, ["min_lr=0"]).min_lr, float)
+    assert (cfg.optimizer.lr, cfg.compile, cfg.out_dir, cfg.schedule.warmup_steps) == (3e-4, False, "runs/a", 5)
+    assert cfg.data.path == ["a", 0.3, "b", 0.7]
+    assert parse_override("schedule.min_lr=0") == ("schedule.min_lr", 0)
+    min_lr = load_config(None, ["schedule.min_lr=0"]).schedule.min_lr
+    assert min_lr == 0.0 and isinstance(min_lr, float)
+
+
+def test_old_flat_keys_are_read_with_one_warning_each_naming_the_new_key(tmp_path):
+    f = tmp_path / "old.toml"
+    f.write_text('data_path = "x"\nlr = 1e-3\nmodel = "gpt2-350m"\n[parallel]\ntp = 2\n')
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        cfg = load_config(f, ["max_steps=7", "schedule.warmup_steps=3"])
+    assert [str(w.message) for w in caught] == [
+        f"{f}: key 'data_path' is deprecated; write data.path (in a file: [data] path = ...)",
+        f"{f}: key 'lr' is deprecated; write optimizer.lr (in a file: [optimizer] lr = ...)",
+        f"{f}: key 'model' is deprecated; write model.name (in a file: [model] name = ...)",
+        "override 'max_steps=7': key 'max_steps' is deprecated; write schedule.max_steps (in a file: [schedule] "
+        "max_steps = ...)",
+    ]
+    new = load_config(None, ['data.path="x"', "optimizer.lr=1e-3", 'model.name="gpt2-350m"', "parallel.tp=2",
+                             "schedule.max_steps=7", "schedule.warmup_steps=3"])  # fmt: skip
+    assert cfg == new and cfg.model_shape() == (24, 16, 1024)
+
+
+def test_a_checkpoint_of_flat_keys_reads_and_compares_as_the_new_keys():
+    old = {"max_steps": 40, "lr": 1e-3, "seed": 1, "storage": {"read_mode": "pread"}, "parallel": {"tp": 1}}
+    assert TrainConfig.from_dict(old) == load_config(
+        None, ["schedule.max_steps=40", "optimizer.lr=1e-3", "seed=1", 'storage.read_mode="pread"']
+    )
+    now = load_config(None, ["schedule.max_steps=80"]).to_dict()
+    assert config_keys(old)["schedule.max_steps"] == 40 and config_keys(now)["schedule.max_steps"] == 80
+    assert TrainConfig.from_dict(now).schedule.max_steps == 80
 
 
 def test_unknown_key_in_file_names_the_file_and_suggests(tmp_path):
     f = tmp_path / "c.toml"
-    f.write_text("learning_rate = 1e-3\nmax_step = 5\n")
+    f.write_text("learning_rate = 1e-3\nmax_step = 5\n")  # neither an old nor a new key
     with pytest.raises(ConfigError, match=r"c\.toml: unknown key 'learning_rate'"):
         load_config(f)
 
 
 def test_unknown_key_in_override_suggests_the_close_one():
-    with pytest.raises(ConfigError, match=r"unknown key 'max_step'; did you mean max_steps"):
+    with pytest.raises(ConfigError, match=r"unknown key 'max_step'; did you mean schedule\.max_steps"):
         load_config(None, ["max_step=5"])
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("lr=fast", "lr = 'fast': expected"),
-        ("max_steps=0", "max_steps = 0: must be at least 1"),
+        ("optimizer.lr=fast", "optimizer.lr = 'fast': expected"),
+        ("schedule.max_steps=0", "schedule.max_steps = 0: must be at least 1"),
         ("parallel=tp", "choose one of"),
         ("compile=maybe", "compile"),
-        ("min_lr=1", "min_lr 1.0 is above lr"),
-        ("n_head=5", "not a multiple of n_head"),
+        ("schedule.min_lr=1", "min_lr 1.0 is above optimizer.lr"),
+        ("model.n_head=5", "not a multiple of n_head"),
+        ("optimizer.lr.x=1", r"write optimizer\.KEY=value"),
     ],
 )
 def test_bad_values(override, message):
@@ -71,8 +125,8 @@ def test_bad_values(override, message):
 
 
 def test_sections_and_bad_toml_are_refused(tmp_path):
-    (tmp_path / "a.toml").write_text("[model]\nn_layer = 2\n")
-    with pytest.raises(ConfigError, match="sections are not used"):
+    (tmp_path / "a.toml").write_text("[training]\nsteps = 2\n")
+    with pytest.raises(ConfigError, match=r"\[training\]: not a section; the sections are \[model\]"):
         load_config(tmp_path / "a.toml")
     (tmp_path / "b.toml").write_text("lr = = 2\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
@@ -82,25 +136,32 @@ def test_sections_and_bad_toml_are_refused(tmp_path):
 
 
 def test_batch_that_does_not_divide_says_what_would():
-    cfg = load_config(None, ["micro_batch_size=8", "seq_length=1024", "global_batch_tokens=500000"])
-    with pytest.raises(ConfigError, match=r"not a multiple of .* = 16384; use e\.g\. global_batch_tokens=507904"):
+    cfg = load_config(
+        None, ["schedule.micro_batch_size=8", "model.seq_length=1024", "schedule.global_batch_tokens=500000"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"not a multiple of .* = 16384; use e\.g\. schedule\.global_batch_tokens=507904"
+    ):
         grad_accum_steps(cfg, 2)
     assert grad_accum_steps(load_config(None, []), 8) == 8  # 524288 / (8 * 1024 * 8)
 
 
 def test_lr_schedule_warmup_cosine_floor():
-    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    cfg = TrainConfig(
+        optimizer=OptimizerSection(lr=1.0), schedule=ScheduleSection(min_lr=0.1, warmup_steps=10, max_steps=110)
+    )
     lrs = [lr_at(s, cfg) for s in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1) and lrs[119] == 0.1
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # never rises after warmup
 
 
-def test_docstrings_are_attribute_docstrings():
+@pytest.mark.parametrize("cls", [TrainConfig, *SECTIONS.values()], ids=lambda c: c.__name__)
+def test_docstrings_are_attribute_docstrings(cls):
     # Guard the form key_docs() reads: a string right after each annotated field.
-    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    body = ast.parse(inspect.getsource(cls)).body[0].body
     names = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
-    assert names == [f.name for f in fields(TrainConfig)]
+    assert names == [f.name for f in fields(cls)]
 
 
 def test_a_storage_section_loads_and_reaches_the_dataset(tmp_path):
@@ -155,6 +216,6 @@ def test_a_storage_section_loads_and_reaches_the_dataset(tmp_path):
 )
 def test_bad_storage_settings_are_config_errors(tmp_path, section, override, message):
     f = tmp_path / "c.toml"
-    f.write_text(f'data_path = "x"\n[storage]\n{section}\n')
+    f.write_text(f'[data]\npath = "x"\n[storage]\n{section}\n')
     with pytest.raises(ConfigError, match=message):
         load_config(f, [override] if override else [])

@@ -90,9 +90,9 @@ def rerun(corpus, finished_run, tmp_path, **extra):
 @pytest.mark.parametrize(
     "key, value, shown",
     [
-        ("max_steps", 4, "max_steps=2, now max_steps=4"),
+        ("max_steps", 4, "schedule.max_steps=2, now schedule.max_steps=4"),
         ("seed", 7, "seed=1234, now seed=7"),
-        ("global_batch_tokens", 1024, "global_batch_tokens=512, now global_batch_tokens=1024"),
+        ("global_batch_tokens", 1024, "schedule.global_batch_tokens=512, now schedule.global_batch_tokens=1024"),
     ],
 )
 def test_rerun_with_another_data_order_names_the_keys_and_the_fix(corpus, finished_run, tmp_path, key, value, shown):
@@ -173,15 +173,15 @@ def test_pickled_or_damaged_index_cache_is_refused_naming_it(corpus, finished_ru
 @pytest.mark.parametrize(
     "override, words",
     [
-        ('split="x"', "split 'x': give one to three"),
-        ('split="0,0,0"', "must sum to a positive number"),
-        ('data_path="0.5"', "blend ['0.5']"),
+        ('data.split="x"', "split 'x': give one to three"),
+        ('data.split="0,0,0"', "must sum to a positive number"),
+        ('data.path="0.5"', "blend ['0.5']"),
         ('storage.read_mode="bogus"', "read_mode 'bogus'"),
         ('dtype="float8"', "dtype = 'float8'"),
-        ('max_steps="x"', "max_steps = 'x'"),
+        ('schedule.max_steps="x"', "max_steps = 'x'"),
         ("bogus.key=1", "unknown key 'bogus.key'"),
-        ('resume="/nowhere"', "/nowhere: not a complete checkpoint"),
-        ("global_batch_tokens=500", "not a multiple of micro_batch_size"),
+        ('checkpoint.resume="/nowhere"', "/nowhere: not a complete checkpoint"),
+        ("schedule.global_batch_tokens=500", "not a multiple of micro_batch_size"),
     ],
 )
 def test_cli_bad_config_value_is_one_line(corpus, tmp_path, override, words):

@@ -61,7 +61,7 @@ def overrides(db: Path, out_dir: Path, **extra) -> list[str]:
     values = {"data_path": '""', "model": '"retro"', "n_layer": 2, "global_batch_tokens": 256, "max_steps": 6,
               "eval_interval": 3, "checkpoint_interval": 3,
               "retro.db": f'"{db}"', "retro.chunk_length": M, "retro.cca_layers": "[1]", **extra}  # fmt: skip
-    base = [o for o in trainkit.tiny_overrides("", out_dir) if not o.startswith("data_path")]
+    base = [o for o in trainkit.tiny_overrides("", out_dir) if not o.startswith("data.path")]
     return base + [f"{k}={v}" for k, v in values.items()]
 
 

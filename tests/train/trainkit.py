@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge.indexed import IndexedDatasetWriter
+from corpusforge.train.config import new_key
 
 VOCAB = 64
 FOLLOW = 0.9
@@ -44,33 +45,34 @@ def unigram_entropy(prefix: str) -> float:
 
 
 def tiny_overrides(data_path: str, out_dir: Path | str, **extra) -> list[str]:
-    """key=value overrides of a model and run small enough for a shared 2-core CI machine."""
+    """key=value overrides of a model and run small enough for a shared 2-core CI machine; `extra` keys may be
+    written flat (max_steps=4), as tests did before the sections: they become their section's key."""
     values = {
-        "data_path": f'"{data_path}"',
+        "data.path": f'"{data_path}"',
         "out_dir": f'"{out_dir}"',
-        "vocab_size": VOCAB,
-        "model": '"custom"',
-        "n_layer": 1,
-        "n_head": 2,
-        "n_embd": 32,
-        "seq_length": 32,
-        "micro_batch_size": 8,
-        "global_batch_tokens": 512,
-        "max_steps": 40,
-        "warmup_steps": 4,
-        "lr": 1e-2,
-        "min_lr": 1e-3,
-        "eval_interval": 20,
-        "eval_batches": 2,
-        "log_interval": 1,
-        "checkpoint_interval": 20,
-        "num_workers": 0,
+        "model.vocab_size": VOCAB,
+        "model.name": '"custom"',
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.n_embd": 32,
+        "model.seq_length": 32,
+        "schedule.micro_batch_size": 8,
+        "schedule.global_batch_tokens": 512,
+        "schedule.max_steps": 40,
+        "schedule.warmup_steps": 4,
+        "optimizer.lr": 1e-2,
+        "schedule.min_lr": 1e-3,
+        "metrics.eval_interval": 20,
+        "metrics.eval_batches": 2,
+        "metrics.log_interval": 1,
+        "checkpoint.interval": 20,
+        "data.num_workers": 0,
         "device": '"cpu"',
         "compile": "false",
-        "tensorboard": "false",
-        "split": '"90,10,0"',
+        "metrics.tensorboard": "false",
+        "data.split": '"90,10,0"',
     }
-    values.update(extra)
+    values.update({new_key(k): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in values.items()]
 
 
