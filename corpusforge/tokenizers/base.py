@@ -83,6 +83,8 @@ def read_file(path: Path) -> bytes:
 
 @dataclass(frozen=True)
 class Identity:
+    """What a tokenizer file says about itself, the same on every engine (the Tokenizer protocol's attributes)."""
+
     name: str
     vocab_size: int
     eod_id: int | None

@@ -94,6 +94,10 @@ def train_tokenizer(
 
     `output` must end in .json for kind="bpe" and .model for kind="sentencepiece" (how load_tokenizer tells
     formats apart); a directory gets tokenizer.json / tokenizer.model inside it.
+
+    Example:
+        >>> train_tokenizer(texts, 32000, "tok/tokenizer.json").vocab_size  # doctest: +SKIP
+        32000
     """
     if kind not in KINDS:
         raise TokenizerError(f"unknown tokenizer kind {kind!r}: use one of {', '.join(KINDS)}")
