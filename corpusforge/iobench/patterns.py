@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from corpusforge.errors import MissingExtraError
-from corpusforge.iobench.config import BenchConfig, is_url
+from corpusforge.fsutil import is_url
+from corpusforge.iobench.config import BenchConfig
 from corpusforge.storage.pagecache import drop_page_cache
 
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB covers all disks

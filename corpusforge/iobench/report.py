@@ -13,9 +13,9 @@ import numpy as np
 
 from corpusforge.errors import MissingExtraError
 from corpusforge.fsutil import write_json_atomic
-from corpusforge.iobench.config import human_bytes
 from corpusforge.iobench.results import RunResults
 from corpusforge.iobench.stats import CaseResult
+from corpusforge.sizes import human_bytes
 
 REPORT_VERSION = 1
 

@@ -24,12 +24,14 @@ from pathlib import Path
 
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import die_with_parent
+from corpusforge.fsutil import is_url
 from corpusforge.iobench import guard, patterns
-from corpusforge.iobench.config import BenchConfig, human_bytes, is_url
+from corpusforge.iobench.config import BenchConfig
 from corpusforge.iobench.ranks import Ranks
 from corpusforge.iobench.results import PathInfo, RunResults
 from corpusforge.iobench.search import search_accelerators
 from corpusforge.iobench.stats import CaseResult, aggregate
+from corpusforge.sizes import human_bytes
 
 Events = Callable[[str], None] | None
 
