@@ -21,8 +21,9 @@ from typing import Any
 
 import click
 
-from corpusforge.cli.types import CountList, Size, SizeList
+from corpusforge.cli.types import CountList, Seconds, Size, SizeList
 from corpusforge.configs import field_default, field_docs
+from corpusforge.executors import EXECUTORS
 from corpusforge.sizes import human_bytes
 
 
@@ -33,8 +34,9 @@ class Opt:
     field: str
     """The dataclass field; the option's value is passed to the command under this name."""
 
-    name: str | None = None
-    """The option (`--stall`); default: --field-name."""
+    name: str | tuple[str, ...] | None = None
+    """The option (`--stall`, or several names: ("-k", "--neighbours-k"), or a flag pair "--x/--no-x"); default:
+    --field-name."""
 
     type: Any = None
     """A click type; default: from the annotation (int, float, str, a Choice from `choices`)."""
@@ -92,16 +94,20 @@ def _option(cls: type, spec: Opt) -> Callable:
     f = next(f for f in dataclasses.fields(cls) if f.name == spec.field)
     annotation = typing.get_type_hints(cls)[f.name]
     default = field_default(f) if spec.default == Opt.default else spec.default
-    name = spec.name or "--" + f.name.replace("_", "-")
+    names = spec.name if isinstance(spec.name, tuple) else (spec.name or "--" + f.name.replace("_", "-"),)
     help_text = spec.help if spec.help is not None else " ".join(field_docs(cls).get(f.name, "").split())
     kwargs: dict[str, Any] = {"help": help_text, **spec.extra}
     if spec.clears:
-        return click.option(name, f.name, flag_value=False, default=True, **kwargs)
+        return click.option(*names, f.name, flag_value=False, default=True, **kwargs)
+    if "/" in names[-1]:  # an on/off pair given in full (--index-on-disk/--index-in-ram), default None or a bool
+        return click.option(*names, f.name, default=default, show_default=default is not None, **kwargs)
     if annotation is bool and spec.type is None:
         if default is True:
-            name = f"{name}/--no-{name[2:]}"
+            names = (f"{names[-1]}/--no-{names[-1][2:]}",)
             kwargs["show_default"] = True
-        return click.option(name, f.name, is_flag=name.count("/") == 0, default=default, **kwargs)
+        if "/" not in names[0]:
+            kwargs["is_flag"] = True
+        return click.option(*names, f.name, default=default, **kwargs)
     kwargs["type"] = spec.type or (click.Choice(spec.choices) if spec.choices else _click_type(annotation))
     if spec.multiple:
         kwargs["multiple"] = True
@@ -110,7 +116,7 @@ def _option(cls: type, spec: Opt) -> Callable:
         kwargs["show_default"] = spec.show_default if spec.show_default is not None else default not in (None, ())
     elif "required" not in kwargs:
         kwargs["required"] = True
-    return click.option(name, f.name, **kwargs)
+    return click.option(*names, f.name, **kwargs)
 
 
 def _click_type(annotation: Any) -> Any:
@@ -122,10 +128,34 @@ def _click_type(annotation: Any) -> Any:
 def _as_text(default: Any, kind: Any) -> Any:
     """A default of a size or list type as a person would type it ('64 MiB', '1,2,4'), which --help then shows;
     the type reads it back to the field's value."""
-    if isinstance(kind, Size):
+    if isinstance(kind, Size) and isinstance(default, int):
         return human_bytes(default)
     if isinstance(kind, SizeList):
         return ",".join(human_bytes(b) for b in default)
     if isinstance(kind, CountList):
         return ",".join(str(v) for v in default)
     return default
+
+
+def executor_opts(tasks: str) -> tuple[Opt, ...]:
+    """How --executor, --workers, --ray-address and --ray-keep-workers look in every command whose config has the
+    fields executor, workers, ray_address and ray_keep_workers (preprocess, build-knn); `tasks` names what runs.
+
+    Example:
+        >>> @config_options(BuildConfig, *executor_opts("Shard tasks"), only=EXECUTOR_FIELDS)
+        ... def build(executor, workers, ray_address, ray_keep_workers): ...
+    """
+    return (
+        Opt("executor", choices=EXECUTORS,
+            help="local: worker processes here; ray: Ray tasks on a cluster whose nodes share the file system."),
+        Opt("workers", type=click.IntRange(min=0), show_default=False,
+            help=f"{tasks} at once [default: one per core; with --executor ray, every CPU of the cluster]."),
+        Opt("ray_address", help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one "
+            "on this machine]."),
+        Opt("ray_keep_workers", type=Seconds(), extra={"metavar": "SECONDS"},
+            help="Ray: idle seconds the worker processes wait for the next job, which then starts at once (tokenizer "
+            "loaded); 0 ends them with the job."),
+    )  # fmt: skip
+
+
+EXECUTOR_FIELDS = ("executor", "workers", "ray_address", "ray_keep_workers")

@@ -7,96 +7,41 @@ import sys
 import click
 
 from corpusforge.cli import _report
-from corpusforge.cli._executor_options import executor_options
+from corpusforge.cli.config_options import Opt, config_options, executor_opts
 from corpusforge.cli.types import Size
 from corpusforge.preprocess import PreprocessConfig, preprocess
+from corpusforge.tokenizers import ENGINES
+
+# How preprocess writes PreprocessConfig's fields where it differs from their name and type; help from their docstrings.
+PREPROCESS_OPTIONS = config_options(
+    PreprocessConfig,
+    Opt("output_prefix", help="Writes PREFIX_{key}_document.bin/.idx (Megatron's naming)."),
+    Opt("json_keys", multiple=True, help="Field(s) to tokenize; repeat."),
+    Opt("tokenizer", help="cl100k_base (default, offline), o200k_base, gpt2, or a .tiktoken / tokenizer.json / "
+        "sentencepiece .model path."),
+    Opt("engine", choices=ENGINES, help="Tokenizer engine; auto = gigatoken where it supports the tokenizer."),
+    Opt("on_bad_line", choices=("fail", "skip"),
+        help="A bad record (malformed JSON, invalid UTF-8, missing key, not a string, empty): 'fail' stops at the "
+        "first with FILE:LINE and exit 1; 'skip' leaves it out, counts each kind, and exits 3. A truncated or "
+        "unreadable file is an error either way."),
+    Opt("resume", help="Continue an interrupted run from its finished parts."),
+    Opt("task_bytes", "--task-size", type=Size(), show_default=False,
+        help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB]."),
+    *executor_opts("Tasks"),
+    Opt("retries", type=click.IntRange(min=0)),
+    exclude=("inputs", "merge_on_workers", "level", "tokenizer_factory", "keep_empty"),
+)  # fmt: skip
 
 
 @click.command("preprocess", cls=_report.Command)
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--output-prefix", required=True, help="Writes PREFIX_{key}_document.bin/.idx (Megatron's naming).")
-@click.option("--json-keys", multiple=True, default=("text",), show_default=True, help="Field(s) to tokenize; repeat.")
-@click.option(
-    "--tokenizer",
-    default=None,
-    help="cl100k_base (default, offline), o200k_base, gpt2, or a "
-    ".tiktoken / tokenizer.json / sentencepiece .model path.",
-)
-@click.option(
-    "--engine",
-    type=click.Choice(["auto", "gigatoken", "reference"]),
-    default="auto",
-    show_default=True,
-    help="Tokenizer engine; auto = gigatoken where it supports the tokenizer.",
-)
-@click.option(
-    "--append-eod/--no-append-eod",
-    default=True,
-    show_default=True,
-    help="End every document with the end-of-document token.",
-)
-@executor_options("Tasks")
-@click.option(
-    "--retries",
-    type=click.IntRange(min=0),
-    default=2,
-    show_default=True,
-    help="Times a task runs again when its worker process or node dies.",
-)
-@click.option(
-    "--on-bad-line",
-    type=click.Choice(["fail", "skip"]),
-    default="fail",
-    show_default=True,
-    help="A bad record (malformed JSON, invalid UTF-8, missing key, not a string, empty): 'fail' stops at the first "
-    "with FILE:LINE and exit 1; 'skip' leaves it out, counts each kind, and exits 3. A truncated or unreadable file is "
-    "an error either way.",
-)
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its finished parts.")
-@click.option(
-    "--task-size",
-    type=Size(),
-    default="0",
-    help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB].",
-)
+@PREPROCESS_OPTIONS
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def preprocess_cmd(
-    inputs,
-    output_prefix,
-    json_keys,
-    tokenizer,
-    engine,
-    append_eod,
-    workers,
-    executor,
-    ray_address,
-    ray_keep_workers,
-    retries,
-    on_bad_line,
-    resume,
-    task_size,
-    progress,
-    as_json,
-) -> None:
+def preprocess_cmd(inputs, progress, as_json, **options) -> None:
     """Tokenize INPUT files (.jsonl/.json, .gz/.zst, .parquet, directories, globs, HF save_to_disk dirs)."""
-    config = PreprocessConfig(
-        inputs=tuple(inputs),
-        output_prefix=output_prefix,
-        json_keys=tuple(json_keys),
-        tokenizer=tokenizer,
-        engine=engine,
-        append_eod=append_eod,
-        workers=workers,
-        on_bad_line=on_bad_line,
-        resume=resume,
-        task_bytes=task_size,
-        executor=executor,
-        ray_address=ray_address,
-        ray_keep_workers=ray_keep_workers,
-        retries=retries,
-    )
-    if ray_address and executor != "ray":
+    config = PreprocessConfig(inputs=tuple(inputs), **options)
+    if config.ray_address and config.executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
     with _report.task_progress(_report.show_progress(progress)) as advance:
         stats = preprocess(config, on_progress=advance)

@@ -9,87 +9,44 @@ from contextlib import contextmanager
 import click
 
 from corpusforge.cli import _report
-from corpusforge.cli._executor_options import executor_options
+from corpusforge.cli.config_options import Opt, config_options, executor_opts
 from corpusforge.cli.types import COUNT, Size
+from corpusforge.retro.build import BuildConfig
 
 # what each stage's bar counts
 _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}
 
 
+# How build-knn writes BuildConfig's fields where it differs from their name and type; help from their docstrings.
+BUILD_OPTIONS = config_options(
+    BuildConfig,
+    Opt("output", help="Database directory (created if missing)."),
+    Opt("chunk_length", type=click.IntRange(1, 32767)),
+    Opt("dim", type=COUNT),
+    Opt("tokenizer", help="Tokenizer of the dataset [default: from PREFIX.preprocess.json]."),
+    Opt("max_index_memory", type=Size(minimum=1, as_text=True)),
+    Opt("train_per_list", type=click.IntRange(39, 256)),
+    Opt("kmeans", choices=("auto", "flat", "two-level")),
+    Opt("shard_size", type=click.IntRange(1)),
+    Opt("k", ("-k", "--neighbours-k"), type=click.IntRange(1)),
+    Opt("candidates", type=click.IntRange(1)),
+    Opt("query_prefix", help="Training dataset to fetch neighbours for [default: PREFIX itself]."),
+    Opt("recall_queries", type=click.IntRange(1)),
+    Opt("recall_target", type=click.FloatRange(0, 1)),
+    Opt("seed", type=click.IntRange(min=0)),
+    Opt("gpu", choices=("auto", "on", "off"),
+        help="Run the index's k-means and list assignment on the GPUs faiss-gpu sees (auto: when there are any)."),
+    Opt("index_on_disk", "--index-on-disk/--index-in-ram",
+        help="Merge an IVF index's lists into index/index.ivfdata (searched memory-mapped) [default: when the "
+        "planned index needs more than half of this machine's RAM]."),
+    *executor_opts("Shard tasks (chunking, embedding, index add, neighbours)"),
+    exclude=("prefix",),
+)  # fmt: skip
+
+
 @click.command("build-knn", cls=_report.Command)
 @click.argument("prefix")
-@click.option("--output", required=True, help="Database directory (created if missing).")
-@click.option("--chunk-length", default=64, show_default=True, type=click.IntRange(1, 32767), help="Tokens per chunk.")
-@click.option(
-    "--embedder",
-    default="hashed",
-    show_default=True,
-    help="'hashed' (model-free, lexical) or a local sentence-transformers / Hugging Face model directory.",
-)
-@click.option("--dim", default=128, show_default=True, type=COUNT, help="Dimension of the hashed embedder.")
-@click.option("--tokenizer", default=None, help="Tokenizer of the dataset [default: from PREFIX.preprocess.json].")
-@click.option(
-    "--max-index-memory",
-    type=Size(minimum=1, as_text=True),
-    default="16G",
-    show_default=True,
-    help="RAM the index may use (e.g. 64G).",
-)
-@click.option("--index-key", default=None, help="Force a Faiss index_factory string instead of the planner's.")
-@click.option(
-    "--train-per-list",
-    default=64,
-    show_default=True,
-    type=click.IntRange(39, 256),
-    help="Training vectors per inverted list.",
-)
-@click.option(
-    "--kmeans",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "flat", "two-level"]),
-    help="How IVF lists are trained: faiss's k-means, or two-level (sqrt(nlist) clusters, each split); auto: "
-    "two-level from 16,384 lists.",
-)
-@click.option(
-    "--gpu",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "on", "off"]),
-    help="Run the index's k-means and list assignment on the GPUs faiss-gpu sees (auto: when there are any).",
-)
-@click.option(
-    "--shard-size",
-    default=1 << 20,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Chunks per embedding shard (unit of resume).",
-)
-@click.option(
-    "-k", "--neighbours-k", "k", default=2, show_default=True, type=click.IntRange(1), help="Neighbours per chunk."
-)
-@click.option(
-    "--candidates",
-    default=40,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Approximate hits re-ranked exactly per query; the recall tuning raises it for PQ indexes.",
-)
-@click.option("--query-prefix", default=None, help="Training dataset to fetch neighbours for [default: PREFIX itself].")
-@click.option(
-    "--recall-queries", default=1000, show_default=True, type=click.IntRange(1), help="Held-out chunks for recall@10."
-)
-@click.option("--recall-target", default=0.95, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--neighbours/--no-neighbours", default=True, show_default=True, help="Run the neighbours stage.")
-@click.option(
-    "--index-on-disk/--index-in-ram",
-    "index_on_disk",
-    default=None,
-    help="Merge an IVF index's lists into index/index.ivfdata (searched memory-mapped) [default: when the planned "
-    "index needs more than half of this machine's RAM].",
-)
-@executor_options("Shard tasks (chunking, embedding, index add, neighbours)")
+@BUILD_OPTIONS
 @click.option(
     "--resume",
     is_flag=True,
@@ -99,14 +56,14 @@ _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall
 @click.option("--dry-run", is_flag=True, help="Print the plan (index key, RAM, disk, time) and write nothing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars [default: on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options) -> None:
+def build_knn_cmd(prefix, resume, dry_run, progress, as_json, **options) -> None:
     """Build a retrieval database: chunks, embeddings, Faiss index, recall@10, neighbours; every stage resumable."""
-    from corpusforge.retro import BuildConfig, build_knn
-    from corpusforge.retro.common import human_bytes
+    from corpusforge.retro import build_knn
+    from corpusforge.sizes import human_bytes
 
     if options["ray_address"] and options["executor"] != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
-    config = BuildConfig(prefix=prefix, output=output, **options)
+    config = BuildConfig(prefix=prefix, **options)
     with stage_progress(_report.show_progress(progress) and not dry_run) as on_stage:
         result = build_knn(config, dry_run=dry_run, resume=resume, progress=on_stage)
     data = result.to_dict()
@@ -119,7 +76,7 @@ def build_knn_cmd(prefix, output, resume, dry_run, progress, as_json, **options)
         return
     st, rec = result.stages, result.recall
     rows = [
-        ("output", output),
+        ("output", config.output),
         ("chunks", st["chunks"]["chunks"]),
         *_plan_rows(result.plan),
         ("embeddings", f"{st['embeddings']['dim']}-d float16, {st['embeddings']['shards']} shard(s)"),
@@ -221,7 +178,7 @@ def _hours(value) -> str:
 
 
 def _plan_rows(plan: dict) -> list[tuple[str, object]]:
-    from corpusforge.retro.common import human_bytes
+    from corpusforge.sizes import human_bytes
 
     kmeans = [("k-means", plan["kmeans"])] if plan.get("kmeans") else []
     return [("index", plan["key"]), *kmeans, ("index RAM (est.)", human_bytes(plan["ram_bytes"]))]
