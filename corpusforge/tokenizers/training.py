@@ -29,7 +29,7 @@ from pathlib import Path
 from corpusforge.fsutil import write_bytes_atomic
 from corpusforge.tokenizers.base import TokenizerError
 
-__all__ = ["KINDS", "TrainStats", "train_tokenizer"]
+__all__ = ["KINDS", "TrainStats", "TrainTokenizerConfig", "train_tokenizer", "train_tokenizer_on"]
 
 KINDS = {"bpe": ".json", "sentencepiece": ".model"}  # kind -> the suffix load_tokenizer recognises
 _SP_CHUNK_CHARS = 8192  # sentencepiece skips sentences over max_sentence_length bytes: cut long lines
@@ -112,6 +112,43 @@ def train_tokenizer(
     output.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(output, data)  # created 0o666 minus the umask: other users and jobs read the tokenizer
     return TrainStats(kind, counter.documents, counter.bytes, time.perf_counter() - start, actual, output)
+
+
+@dataclass(frozen=True)
+class TrainTokenizerConfig:
+    """What `corpusforge train-tokenizer` trains on and writes; its CLI options are bound to these fields."""
+
+    inputs: tuple[str, ...]
+    """Input files, directories or globs, read as preprocess reads them (.jsonl/.json, .gz/.zst, .parquet)."""
+
+    vocab_size: int
+    """Ids of the trained tokenizer, special tokens included (fewer on tiny data)."""
+
+    output: Path
+    """tokenizer.json (kind bpe) or .model (kind sentencepiece); --tokenizer then accepts it."""
+
+    kind: str = "bpe"
+    """"bpe": byte-level BPE (HF tokenizers, tokenizer.json); "sentencepiece": sentencepiece BPE (.model)."""
+
+    json_keys: tuple[str, ...] = ("text",)
+    """Fields of each record whose text is trained on."""
+
+    max_mb: int | None = None
+    """Train on the first N MB of text only; default: all of it."""
+
+
+def train_tokenizer_on(config: TrainTokenizerConfig) -> TrainStats:
+    """train_tokenizer on the documents of `config.inputs`, read as preprocess reads them.
+
+    Example:
+        >>> train_tokenizer_on(TrainTokenizerConfig(("c.jsonl",), 1000, Path("t.json"))).kind  # doctest: +SKIP
+        'bpe'
+    """
+    from corpusforge.sources import expand_inputs, iter_texts
+
+    max_bytes = config.max_mb << 20 if config.max_mb else None
+    texts = iter_texts(expand_inputs(config.inputs), config.json_keys, max_bytes=max_bytes)
+    return train_tokenizer(texts, config.vocab_size, config.output, kind=config.kind)
 
 
 def _output_path(output: Path, kind: str) -> Path:
