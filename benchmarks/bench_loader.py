@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from corpusforge.data import StorageConfig, build_gpt_datasets, make_loader  # noqa: E402
 from corpusforge.data.cache import wait_for_index_caches, wait_for_index_files  # noqa: E402
 from corpusforge.indexed import IndexedDatasetWriter  # noqa: E402
-from corpusforge.pagecache import drop_page_cache  # noqa: E402
+from corpusforge.storage.pagecache import drop_page_cache  # noqa: E402
 
 VOCAB = 50257
 EOD = 50256

@@ -39,17 +39,21 @@ Example:
 from __future__ import annotations
 
 import errno
+import functools
 import json
+import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from corpusforge.errors import ArgumentError, CorpusforgeError
+from corpusforge.fsutil import fsync_dir, fsync_path  # also read as indexed.fsync_dir by older callers
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -110,11 +114,7 @@ def dtype_code(dtype: np.dtype | type) -> int:
 def sync(prefix: str | os.PathLike) -> None:
     """fsync a finished dataset's .bin, .idx and directory: what `finalize(durable=False)` left to the caller."""
     for path in (bin_path(prefix), idx_path(prefix)):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
     fsync_dir(bin_path(prefix).parent)
 
 
@@ -130,19 +130,6 @@ def _mergeable_source(prefix: str | os.PathLike | IndexedDataset, dtype: np.dtyp
             "datasets made with different tokenizers cannot be merged"
         )
     return src
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by its path; for a directory this makes a rename in it durable (POSIX: the
-    directory entry is data of the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-fsync_dir = fsync_path  # the name the callers that make renames durable use
 
 
 def write_index(
@@ -180,6 +167,20 @@ def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
     pointers *= itemsize
     return pointers
+
+
+def _finish_pair(prefix: str, bin_fd: int, write_idx: Callable[[Path], None], durable: bool) -> None:
+    """The end of every writer of a pair: fsync (when `durable`) and close the `.bin.tmp` open as `bin_fd`, write
+    the `.idx.tmp` with `write_idx(path)`, and publish both under `prefix` (publish_pair). The caller discards its
+    temporary files if this raises, and fsyncs the directory after it."""
+    try:
+        if durable:
+            os.fsync(bin_fd)
+    finally:
+        os.close(bin_fd)
+    tmp = Path(f"{idx_path(prefix)}.tmp")
+    write_idx(tmp)
+    publish_pair(Path(f"{bin_path(prefix)}.tmp"), tmp, prefix)
 
 
 def publish_pair(bin_tmp: str | os.PathLike, idx_tmp: str | os.PathLike, prefix: str | os.PathLike) -> None:
@@ -254,7 +255,7 @@ class IndexedDatasetWriter:
         src = _mergeable_source(prefix, self.dtype)
         self._bin.flush()
         with open(src.bin_path, "rb") as f:
-            _copy_file(f, self._bin, src.num_tokens * self.dtype.itemsize)
+            copy_bytes(f.fileno(), self._bin.fileno(), src.num_tokens * self.dtype.itemsize, None, str(src.bin_path))
         self._lengths.append(src.sequence_lengths.copy())
         self._doc_starts.append(src.document_indices[:-1] + self.num_sequences)
         self.num_sequences += len(src)
@@ -285,14 +286,14 @@ class IndexedDatasetWriter:
         self._check_open()
         try:
             self._bin.flush()
-            if durable:
-                os.fsync(self._bin.fileno())
-            self._bin.close()
             lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
             starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
             doc_idx = np.append(starts, np.int64(self.num_sequences))
-            write_index(self._idx_tmp, self.dtype, lengths, doc_idx, durable=durable)
-            publish_pair(self._bin_tmp, self._idx_tmp, self.prefix)
+            # The descriptor goes to _finish_pair, which closes it; the file object must not close it again.
+            fd = os.dup(self._bin.fileno())
+            self._bin.close()
+            _finish_pair(self.prefix, fd, lambda tmp: write_index(tmp, self.dtype, lengths, doc_idx, durable=durable),
+                         durable)  # fmt: skip
         except BaseException:
             self.discard()  # e.g. disk full while writing the .idx: leave no .tmp files behind
             raise
@@ -353,24 +354,34 @@ def _cast_tokens(tokens: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return tokens.astype(dtype)
 
 
-def _copy_file(src, dst, nbytes: int) -> None:
-    """Append the first `nbytes` of `src` to `dst`, inside the kernel (copy_file_range) where it can."""
+def copy_bytes(src: int, dst: int, nbytes: int, at: int | None, name: str) -> None:
+    """Copy the first `nbytes` of the file open as `src` to `dst`: at byte `at` of it, or, with `at=None`, at its
+    file position (appending). In the kernel (copy_file_range) where it can, else pread and pwrite/write; the
+    source's file position never moves, so concurrent placements into one output do not collide. A source
+    shorter than `nbytes` is an IndexedFormatError naming it (`name`).
+
+    Example:
+        >>> copy_bytes(src_fd, out_fd, 40960, 81920, "parts/part-00001_text_document.bin")
+    """
     copied = 0
     try:
         while copied < nbytes:
-            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - copied, copied)
+            n = os.copy_file_range(src, dst, nbytes - copied, copied, None if at is None else at + copied)
             if n == 0:
                 break
             copied += n
-    except OSError:  # cross-device or unsupported file system: finish in user space
-        pass
-    src.seek(copied)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
+        # EXDEV (another file system, old kernels), EINVAL/EOPNOTSUPP (FUSE, some network file systems): copy here
     while copied < nbytes:
-        chunk = src.read(min(16 << 20, nbytes - copied))
+        chunk = os.pread(src, min(16 << 20, nbytes - copied), copied)
         if not chunk:
-            raise IndexedFormatError(f"{src.name}: {copied} bytes, shorter than the {nbytes} its index promises")
-        dst.write(chunk)
-        copied += len(chunk)
+            raise IndexedFormatError(f"{name}: {copied} bytes, shorter than the {nbytes} its index promises")
+        view = memoryview(chunk)
+        while view:
+            n = os.write(dst, view) if at is None else os.pwrite(dst, view, at + copied)
+            view, copied = view[n:], copied + n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -431,8 +442,8 @@ def check_index_size(where: str, size: int, header: IndexHeader) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# validation: every consumer opens a dataset through IndexedDataset (local) or storage.RemoteDataset (fsspec URLs),
-# and both call check_index(), so a loader, the trainer, build-knn and merge all refuse the same faults, at open.
+# validation: every consumer opens a dataset through IndexedDataset, whatever its reader (local files, fsspec URLs),
+# which calls check_index(), so a loader, the trainer, build-knn and merge all refuse the same faults, at open.
 
 CHECK_CHUNK = 1 << 18
 """Elements per step of check_index: its 2 MiB int64 buffers stay in cache (measured here at 1e8 sequences: 0.6 s,
@@ -622,14 +633,160 @@ def check_recorded_dtype(prefix: str | os.PathLike, where: str, header_dtype: np
         )
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the reader seam: how the tokens of a .bin are read
+
+
+def require_pair(prefix: str, what: str) -> None:
+    """Raise FileNotFoundError naming the first of `{prefix}.idx`, `{prefix}.bin` that is missing (`what` the pair
+    is: "a dataset", "a legacy dataset").
+
+    Example: require_pair("out/a_text_document", "a dataset")
+    """
+    for p in (idx_path(prefix), bin_path(prefix)):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no such file ({what} is the pair {prefix}.bin/.idx)")
+
+
+class BinReader:
+    """How the tokens of one .bin are read (Megatron-Core's _BinReader): one interface, whose variants are this
+    module's memory map and corpusforge.storage's pread, O_DIRECT and remote block reads, chosen in one place
+    (`storage.open_dataset`). Offsets and lengths are in tokens.
+
+    `memory` is the token array samples may be copied from directly (a memory map), or None where reads go
+    through `read_spans`; `nbytes` the size of the .bin; `name` how messages name it.
+
+    Example:
+        >>> reader = MMapBinReader(Path("out/a_text_document.bin"), np.dtype(np.uint16))
+        >>> reader.read_spans(np.array([0, 10]), np.array([2, 2]))        # tokens 0, 1, 10, 11
+    """
+
+    read_mode = "mmap"
+    read_mode_reason = "configured"
+    remote = False
+    memory: np.ndarray | None = None
+
+    def __init__(self, location: str | os.PathLike, dtype: np.dtype, nbytes: int) -> None:
+        self.location, self.dtype, self.nbytes = location, np.dtype(dtype), nbytes
+        self.name = Path(location).name
+
+    def read_spans(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens [starts[k], starts[k] + lengths[k]) for every k, concatenated."""
+        raise NotImplementedError
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n)."""
+        return self.read_spans(np.array([start], np.int64), np.array([n], np.int64))
+
+    def prefetch_spans(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Start fetching what read_spans(starts, lengths) will need (readers that wait on a network)."""
+
+    def token_sample(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens to check the dtype against (check_token_sample), and their positions."""
+        return read_token_sample(self.location, self.dtype)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self.memory is None:
+            raise AttributeError(f"{self.name} is read with {self.read_mode}: its tokens are read with read_spans")
+        return self.memory
+
+    def load_kernels(self) -> None:
+        """Compile (or load) what reads need, before DataLoader workers fork (they inherit it)."""
+
+    def describe(self) -> str:
+        """How this .bin is read, and why, in one phrase (run summaries: data.read_modes)."""
+        return f"{self.read_mode} ({self.read_mode_reason})"
+
+    def close(self) -> None:
+        """Let go of the file (or connection)."""
+
+
+class MMapBinReader(BinReader):
+    """The .bin memory-mapped: `read` is a view (no copy), `read_spans` a compiled copy per span. "mmap" keeps the
+    kernel's read-ahead; "mmap-random" maps with madvise(MADV_RANDOM), so that a cold read costs the pages it
+    touches (see corpusforge.storage for when each pays).
+
+    Example:
+        >>> MMapBinReader(Path("out/a_text_document.bin"), np.dtype(np.uint16)).read(0, 3)
+        memmap([  464,  2068, 50256], dtype=uint16)
+    """
+
+    def __init__(
+        self, path: Path, dtype: np.dtype, read_mode: str = "mmap", read_mode_reason: str = "configured"
+    ) -> None:
+        super().__init__(path, dtype, path.stat().st_size)
+        self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
+        # np.memmap cannot map an empty file; an empty dataset has nothing to read anyway.
+        self._map = np.memmap(path, dtype=self.dtype, mode="r") if self.nbytes else np.zeros(0, self.dtype)
+        if read_mode == "mmap-random" and isinstance(self._map, np.memmap):
+            self._map._mmap.madvise(mmap.MADV_RANDOM)  # fault in one page at a time: no read-ahead
+        # A plain ndarray view for compiled code: numba types an np.memmap by a slower path on every call.
+        self.memory = np.asarray(self._map)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._map
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        return self._map[start : start + n]
+
+    def read_spans(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        return copy_spans(self.memory, starts, lengths, np.empty(int(lengths.sum()), self.dtype))
+
+    def load_kernels(self) -> None:
+        self.read_spans(np.zeros(0, np.int64), np.zeros(0, np.int64))  # compiles once per dtype, then a no-op call
+
+    def close(self) -> None:
+        self._map = self.memory = None  # type: ignore[assignment]
+
+
+def copy_spans(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Fill `out` with tokens[starts[k] : starts[k] + lengths[k]] for every k, back to back: one memcpy per span,
+    compiled, no index arrays. Returns `out`.
+
+    Example:
+        >>> copy_spans(np.arange(10), np.array([2, 7]), np.array([2, 2]), np.empty(4, np.int64)).tolist()
+        [2, 3, 7, 8]
+    """
+    _span_kernel()(np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64), out)
+    return out
+
+
+def _copy_spans_loop(tokens, starts, lengths, out) -> None:
+    pos = 0
+    for k in range(len(starts)):
+        out[pos : pos + lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
+        pos += lengths[k]
+
+
+@functools.cache
+def _span_kernel() -> Callable[..., None]:
+    """_copy_spans_loop compiled, at its first use: numba costs ~1 s to import, which the format's other users
+    (merge, inspect, preprocess) never need to pay."""
+    from corpusforge.jit import njit
+
+    return njit(nogil=True)(_copy_spans_loop)
+
+
 class IndexedDataset:
-    """Zero-copy reader of `{prefix}.bin/.idx`: `ds[i]` is sequence i as a view into the memory-mapped .bin.
+    """A token dataset `{prefix}.bin/.idx`: its index in memory (memory-mapped), its tokens through a BinReader.
+
+    The one dataset class of corpusforge, as Megatron-Core's IndexedDataset: the index is parsed here, the .bin is
+    read by the reader it is given (`storage.open_dataset` chooses one: memory map, pread, O_DIRECT, ranged reads
+    of an fsspec URL), by default a memory map, where `ds[i]` is sequence i as a view into the mapped .bin.
 
     Opening checks everything (`validate()`) and refuses a faulty pair with one IndexedFormatError line: the header
     and file sizes, every length, pointer and document index against each other and against the .bin (O(S),
     vectorised: ~1 s per 1e8 sequences, benchmarks/index_validation.py), and the dtype against a sample of tokens
     and against P.preprocess.json. `check=False` does only the O(1) part (header, sizes, the ends against the .bin),
-    for `corpusforge inspect`, which reports what `validate()` finds instead of refusing.
+    for `corpusforge inspect`, which reports what `validate()` finds instead of refusing, and for openers that
+    validate later themselves.
+
+    `index` is the bytes of an .idx already in memory (a remote dataset: `prefix` is then its URL, and `reader`
+    is required); `pin` is closed with the dataset (a local cache entry's ReaderPin). Pickled, a dataset travels
+    as how to reopen it (`reopen`), never as its tokens.
 
     Example:
         >>> ds = IndexedDataset("out/corpus_text_document")
@@ -638,48 +795,62 @@ class IndexedDataset:
         >>> ds.get(3, offset=10, length=5)      # five tokens of sequence 3, from its 10th
     """
 
-    def __init__(self, prefix: str | os.PathLike, *, check: bool = True) -> None:
-        self.prefix = os.fspath(prefix)
+    def __init__(
+        self,
+        prefix: str | os.PathLike,
+        *,
+        check: bool = True,
+        reader: BinReader | None = None,
+        index: bytes | None = None,
+        pin: Any = None,
+    ) -> None:
+        self.prefix = self.source = os.fspath(prefix)
         self.idx_path, self.bin_path = idx_path(prefix), bin_path(prefix)
-        for p in (self.idx_path, self.bin_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{p}: no such file (a dataset is the pair {self.prefix}.bin/.idx)")
-        header = read_header(self.idx_path)
+        self.pin = pin
+        self.reopen: tuple[Callable[..., Any], tuple[Any, ...]] = (IndexedDataset, (self.prefix,))
+        if index is None:
+            require_pair(self.prefix, "a dataset")
+            self.index_name = str(self.idx_path)
+            header = read_header(self.idx_path)
+            has_modes = check_index_size(self.index_name, self.idx_path.stat().st_size, header)
+            self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        else:
+            self.index_name = f"{self.prefix}.idx"  # a URL: not a Path, which would fold its "//"
+            header = parse_header(bytes(index[:HEADER_SIZE]), self.index_name)
+            has_modes = check_index_size(self.index_name, len(index), header)
+            self._idx = index
         self.dtype = header.dtype
         s, d = header.sequence_count, header.document_count
-        has_modes = check_index_size(str(self.idx_path), self.idx_path.stat().st_size, header)
-        self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, s, HEADER_SIZE)
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, s, HEADER_SIZE + 4 * s)
         self.document_indices = np.frombuffer(self._idx, np.int64, d, HEADER_SIZE + 12 * s)
         modes_at = HEADER_SIZE + 12 * s + 8 * d
         self.sequence_modes = np.frombuffer(self._idx, np.int8, s, modes_at) if has_modes else None
-        nbytes = self.bin_path.stat().st_size
-        self._check(full=False, bin_bytes=nbytes)
-        # np.memmap cannot map an empty file; an empty dataset has nothing to read anyway.
-        self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if nbytes else np.zeros(0, self.dtype)
+        self.reader = reader if reader is not None else MMapBinReader(self.bin_path, self.dtype)
+        self._check(full=False)
         if check:
             self.validate()
 
-    def _check(self, full: bool, bin_bytes: int) -> None:
+    def _check(self, full: bool) -> None:
         check_index(
-            str(self.idx_path),
+            self.index_name,
             self.dtype,
             self.sequence_lengths,
             self.sequence_pointers,
             self.document_indices,
-            bin_bytes,
-            self.bin_path.name,
+            self.reader.nbytes,
+            self.reader.name,
             full=full,
         )
 
     def validate(self) -> None:
         """Check every length, pointer and document index against each other and the .bin (O(S)), and the dtype
         against a sample of tokens and P.preprocess.json; raise IndexedFormatError on the first fault."""
-        self._check(full=True, bin_bytes=self.bin_path.stat().st_size)
-        # The recorded dtype first: where it exists it is exact, and its message says what the dtype should be.
-        check_recorded_dtype(self.prefix, str(self.idx_path), self.dtype)
-        check_token_sample(str(self.idx_path), *read_token_sample(self.bin_path, self.dtype))
+        self._check(full=True)
+        if not self.reader.remote:  # an object store has no P.preprocess.json beside the dataset
+            # The recorded dtype first: where it exists it is exact, and its message says what the dtype should be.
+            check_recorded_dtype(self.prefix, self.index_name, self.dtype)
+        check_token_sample(self.index_name, *self.reader.token_sample())
 
     # -- access ------------------------------------------------------------------------------------------------
 
@@ -692,18 +863,23 @@ class IndexedDataset:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._bin)
+        return self.reader.nbytes // self.dtype.itemsize
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def _start(self, i: int) -> int:
+        """Token offset of sequence i in the .bin, after a range check."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence {i} out of range for {len(self)} sequences in {self.prefix}")
-        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
-        return self._bin[start : start + int(self.sequence_lengths[i])]
+        return int(self.sequence_pointers[i]) // self.dtype.itemsize
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.reader.read(self._start(i), int(self.sequence_lengths[i]))
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """`length` tokens of sequence i from token `offset` (to its end when `length` is None)."""
-        seq = self[i]
-        return seq[offset:] if length is None else seq[offset : offset + length]
+        """`length` tokens of sequence i from token `offset` (to its end when `length` is None), clamped to the
+        sequence as a slice of it would be."""
+        start = self._start(i)
+        lo, hi, _ = slice(offset, None if length is None else offset + length).indices(int(self.sequence_lengths[i]))
+        return self.reader.read(start + lo, max(hi - lo, 0))
 
     def document(self, d: int) -> np.ndarray:
         """All tokens of document d (its sequences are contiguous in the .bin)."""
@@ -712,22 +888,50 @@ class IndexedDataset:
         d %= self.num_documents
         first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
         if first == last:
-            return self._bin[:0]
+            return self.reader.read(0, 0)
         start = int(self.sequence_pointers[first]) // self.dtype.itemsize
-        n = int(self.sequence_lengths[first:last].sum())
-        return self._bin[start : start + n]
+        return self.reader.read(start, int(self.sequence_lengths[first:last].sum()))
 
     @property
     def tokens(self) -> np.ndarray:
-        """Every token of the dataset, as one memory-mapped array."""
-        return self._bin
+        """Every token of the dataset, as one memory-mapped array (local files only)."""
+        return self.reader.tokens
+
+    def read_spans(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens [starts[k], starts[k] + lengths[k]) for every k, concatenated (token units), in one call."""
+        return self.reader.read_spans(starts, lengths)
+
+    def prefetch_spans(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Start fetching what read_spans(starts, lengths) will need, where the reader fetches over a network."""
+        self.reader.prefetch_spans(starts, lengths)
+
+    @property
+    def read_mode(self) -> str:
+        return self.reader.read_mode
+
+    @property
+    def read_mode_reason(self) -> str:
+        return self.reader.read_mode_reason
+
+    def load_kernels(self) -> None:
+        """Compile (or load) the reader's span copy now, before DataLoader workers fork (they inherit it)."""
+        self.reader.load_kernels()
 
     def close(self) -> None:
-        self._bin = self._idx = None  # type: ignore[assignment]
+        self.reader.close()
+        self._idx = None  # type: ignore[assignment]
+        if self.pin is not None:
+            self.pin.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled for spawn/forkserver DataLoader workers and other processes: reopen by name instead of copying
+        # the memory map (storage.open_dataset sets `reopen` to itself, with the read mode it chose).
+        return self.reopen
 
     def __repr__(self) -> str:
         counts = f"sequences={len(self)}, documents={self.num_documents}"
-        return f"IndexedDataset({self.prefix!r}, {counts}, dtype={self.dtype})"
+        reads = f"read_mode={self.read_mode!r} ({self.read_mode_reason})"
+        return f"IndexedDataset({self.prefix!r}, {counts}, dtype={self.dtype}, {reads})"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -774,38 +978,13 @@ def place(placement: Placement, dest: str | os.PathLike, durable: bool = False) 
     fd = os.open(dest, os.O_WRONLY)
     try:
         with open(placement.source, "rb") as src:
-            _copy_range(src, fd, placement)
+            copy_bytes(src.fileno(), fd, placement.nbytes, placement.offset, placement.source)
         if durable:
             os.fsync(fd)
         elif placement.nbytes:
             _start_writeback(fd, placement.offset, placement.nbytes)
     finally:
         os.close(fd)
-
-
-def _copy_range(src, fd: int, placement: Placement) -> None:
-    """`placement.nbytes` from the start of `src` to `fd` at `placement.offset`: in the kernel (copy_file_range)
-    where it can, else pread/pwrite; neither moves a file position, so concurrent placements do not collide."""
-    copied, nbytes = 0, placement.nbytes
-    try:
-        while copied < nbytes:
-            n = os.copy_file_range(src.fileno(), fd, nbytes - copied, copied, placement.offset + copied)
-            if n == 0:
-                break
-            copied += n
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-            raise
-        # EXDEV (another file system, old kernels), EINVAL/EOPNOTSUPP (FUSE, some network file systems): copy here
-    while copied < nbytes:
-        chunk = os.pread(src.fileno(), min(16 << 20, nbytes - copied), copied)
-        if not chunk:
-            short = f"{copied} bytes, shorter than the {nbytes} its index promises"
-            raise IndexedFormatError(f"{placement.source}: {short}")
-        view = memoryview(chunk)
-        while view:
-            n = os.pwrite(fd, view, placement.offset + copied)
-            view, copied = view[n:], copied + n
 
 
 class _SpilledIndex:
@@ -844,8 +1023,8 @@ class _SpilledIndex:
     def write(self, path: Path, durable: bool) -> None:
         with open(path, "wb", buffering=0) as out:  # unbuffered: the header lands before the in-kernel copies
             out.write(MAGIC + struct.pack("<QBQQ", VERSION, dtype_code(self.dtype), self.sequences, self.documents + 1))
-            for f in self._files:
-                _copy_file(f, out, f.tell())  # in the kernel where it can: no pass through this process's memory
+            for f in self._files:  # in the kernel where it can: no pass through this process's memory
+                copy_bytes(f.fileno(), out.fileno(), f.tell(), None, f"{path} (spilled index)")
             out.write(struct.pack("<q", self.sequences))  # the document index ends with the sequence count
             if durable:
                 os.fsync(out.fileno())
@@ -923,12 +1102,8 @@ class DatasetConcatenator:
             for copy in self._copies:
                 copy.result()
             os.ftruncate(self._fd, self.nbytes)  # an input's bytes past its index would not be copied: no tail
-            if durable:
-                os.fsync(self._fd)
-            os.close(self._fd)
-            self.closed = True
-            self._index.write(self._idx_tmp, durable)
-            publish_pair(self.bin_tmp, self._idx_tmp, self.prefix)
+            self.closed = True  # _finish_pair closes the descriptor
+            _finish_pair(self.prefix, self._fd, lambda tmp: self._index.write(tmp, durable), durable)
         except BaseException:
             self.discard()
             raise

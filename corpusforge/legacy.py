@@ -50,10 +50,12 @@ from corpusforge.indexed import (
     MAGIC,
     IndexedDatasetWriter,
     IndexedFormatError,
+    MMapBinReader,
     bin_path,
     check_token_sample,
     idx_path,
     read_token_sample,
+    require_pair,
 )
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -155,9 +157,7 @@ class LegacyIndexedDataset:
     def __init__(self, prefix: str | os.PathLike, *, one_document_per_item: bool = False) -> None:
         self.prefix = os.fspath(prefix)
         self.idx_path, self.bin_path = idx_path(prefix), bin_path(prefix)
-        for p in (self.idx_path, self.bin_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{p}: no such file (a legacy dataset is the pair {self.prefix}.bin/.idx)")
+        require_pair(self.prefix, "a legacy dataset")
         h = read_legacy_header(self.idx_path)
         self.layout, self.dtype, self.element_size = h.layout, h.dtype, h.element_size
         self.lua_shifted = h.layout == "fairseq"
@@ -179,8 +179,7 @@ class LegacyIndexedDataset:
             self._check_documents()
         else:
             self.doc_idx = None
-        # np.memmap cannot map an empty file; an empty dataset has nothing to read anyway.
-        self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if nbytes else np.zeros(0, self.dtype)
+        self._bin = MMapBinReader(self.bin_path, self.dtype).tokens
         # A signed dtype code put where the unsigned one of the same width belongs (int16 for uint16) moves no
         # offset; negative ids in a sample of the tokens show it, as for the MMap format (indexed.check_token_sample).
         check_token_sample(str(self.idx_path), *read_token_sample(self.bin_path, self.dtype))

@@ -279,7 +279,7 @@ def test_remote_dataset_refuses(fault, request):
     token sample of the first 4096 tokens only (one small ranged GET; no P.preprocess.json beside an object)."""
     import fsspec
 
-    from corpusforge.storage import RemoteDataset
+    from corpusforge.storage import open_dataset
 
     prefix, name, message = fault
     if name == "dtype same width, recorded":
@@ -289,7 +289,7 @@ def test_remote_dataset_refuses(fault, request):
         fs.pipe(f"{key}.{ext}", Path(f"{prefix}.{ext}").read_bytes())
     try:
         with pytest.raises(IndexedFormatError, match=message) as e:
-            RemoteDataset(f"memory://{key}")
+            open_dataset(f"memory://{key}")
         assert f"memory://{key}" in str(e.value)
     finally:
         fs.rm(key.rsplit("/", 1)[0], recursive=True)

@@ -1,4 +1,4 @@
-"""corpusforge/storage.py: local read modes, ranged block reads of fsspec URLs, the local cache tier, and the same
+"""corpusforge/storage/: local read modes, ranged block reads of fsspec URLs, the local cache tier, and the same
 against a real Ceph cluster on loopback (RGW for s3://, CephFS through ceph-fuse)."""
 
 from __future__ import annotations
@@ -18,15 +18,8 @@ import pytest
 
 from corpusforge.data import build_gpt_datasets, read_modes
 from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter
-from corpusforge.pagecache import drop_page_cache, resident_fraction
-from corpusforge.storage import (
-    READ_MODES,
-    LocalCache,
-    LocalDataset,
-    RemoteDataset,
-    StorageConfig,
-    open_dataset,
-)
+from corpusforge.storage import READ_MODES, LocalCache, StorageConfig, open_dataset
+from corpusforge.storage.pagecache import drop_page_cache, resident_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +54,7 @@ def samples(prefix: str, storage: StorageConfig | None = None, n: int = 64) -> n
 
 @pytest.mark.parametrize("mode", READ_MODES)
 def test_read_modes_read_the_same_tokens(corpus, mode):
-    ds = LocalDataset(corpus, read_mode=mode)
+    ds = open_dataset(corpus, StorageConfig(read_mode=mode))
     tokens = np.asarray(IndexedDataset(corpus).tokens)
     starts = np.array([0, 5, 1000, len(tokens) - 3, 777])
     lengths = np.array([3, 0, 517, 3, 1])
@@ -87,7 +80,7 @@ def test_cold_pread_reads_about_the_sample_bytes(tmp_path):
     for mode in ("direct", "pread", "mmap"):
         drop_page_cache(prefix + ".bin")
         before = read_bytes()
-        LocalDataset(prefix, read_mode=mode).read_spans(starts, lengths)
+        open_dataset(prefix, StorageConfig(read_mode=mode)).read_spans(starts, lengths)
         read[mode] = read_bytes() - before
     if read["pread"] == 0:
         pytest.skip("this file system does not account block reads in /proc/self/io")
@@ -177,7 +170,7 @@ def test_cold_auto_reads_at_most_twice_the_sample_bytes_of_a_file_larger_than_th
     starts = rng.integers(0, IndexedDataset(prefix).num_tokens - 2049, size=64)
     lengths = np.full(64, 2049)
     drop_page_cache(prefix + ".bin")
-    ds = LocalDataset(prefix, config=StorageConfig(auto_direct_above_bytes=1 << 20))
+    ds = open_dataset(prefix, StorageConfig(auto_direct_above_bytes=1 << 20))
     before = read_bytes()
     ds.read_spans(starts, lengths)
     read = read_bytes() - before
@@ -211,13 +204,13 @@ def test_remote_dataset_reads_large_blocks(corpus):
     url = put_memory(corpus, "blocks_text_document")
     config = StorageConfig(block_size=16 << 10, cache_blocks=2)
     np.testing.assert_array_equal(samples(url, config), samples(corpus))
-    ds = RemoteDataset(url, config)
-    size = ds.bin_size
+    ds = open_dataset(url, config)
+    size = ds.reader.nbytes
     spans = np.arange(0, ds.num_tokens - 100, 997)  # a sequential sweep: every block fetched exactly once
     ds.read_spans(spans, np.full(len(spans), 100))
-    assert ds.blocks.requests == -(-size // (16 << 10))
-    assert ds.blocks.bytes_fetched == size
-    assert len(ds.blocks.blocks) == 2  # the LRU keeps cache_blocks blocks
+    assert ds.reader.blocks.requests == -(-size // (16 << 10))
+    assert ds.reader.blocks.bytes_fetched == size
+    assert len(ds.reader.blocks.blocks) == 2  # the LRU keeps cache_blocks blocks
 
 
 def read_with_steps(url: str, config: StorageConfig, step_s: float = 0.0, workers: int = 0, steps: int = 16):
@@ -231,10 +224,10 @@ def read_with_steps(url: str, config: StorageConfig, step_s: float = 0.0, worker
     for _, batch in zip(range(steps), loader):
         got.append(batch["tokens"].numpy())
         if after_first is None:
-            blocks = train.indexed.blocks
+            blocks = train.indexed.reader.blocks
             after_first = {"waits": blocks.waits, "read_requests": blocks.read_requests}
         time.sleep(step_s)
-    return np.concatenate(got), train.indexed.blocks, after_first
+    return np.concatenate(got), train.indexed.reader.blocks, after_first
 
 
 def test_remote_prefetch_keeps_reads_off_the_network_within_bounded_memory(corpus):
@@ -257,9 +250,9 @@ def test_remote_dataset_refuses_a_mismatched_pair(corpus, tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/bad_text_document.bin", Path(f"{corpus}.bin").read_bytes()[:-2])
     with pytest.raises(ValueError, match="the index covers"):
-        RemoteDataset(url)
+        open_dataset(url)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        RemoteDataset("memory://nothing_here")
+        open_dataset("memory://nothing_here")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -416,11 +409,11 @@ def test_rgw_dataset_gives_the_local_samples_in_large_ranged_reads(ceph_cluster,
     train, _, _ = build_gpt_datasets(
         [s3_corpus], seq_length=64, split="1,0,0", seed=7, num_samples=(64, 0, 0), storage=config
     )
-    reader = train.indexed
+    reader = train.indexed.reader
     train.get_batch(np.arange(len(train)))
-    blocks = -(-ds.bin_size // (64 << 10))
+    blocks = -(-ds.reader.nbytes // (64 << 10))
     assert 0 < reader.blocks.requests <= 3 * blocks  # 64 random samples: a few passes over 3 blocks at most
-    assert reader.blocks.bytes_fetched >= reader.blocks.requests * min(64 << 10, ds.bin_size) // 2
+    assert reader.blocks.bytes_fetched >= reader.blocks.requests * min(64 << 10, ds.reader.nbytes) // 2
 
 
 @pytest.mark.slow
@@ -525,7 +518,7 @@ def test_imports_work_for_a_user_who_cannot_write_numba_caches(tmp_path):
     code = (
         "import numpy as np, corpusforge.storage as s, corpusforge.data, corpusforge.retro.embed;"
         "t = np.arange(10, dtype=np.int32); out = np.empty(4, np.int32);"
-        "print(s._copy_spans(t, np.array([2, 7]), np.array([2, 2]), out).tolist())"
+        "print(s.copy_spans(t, np.array([2, 7]), np.array([2, 2]), out).tolist())"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")} | {"HOME": "/nonexistent"}
     proc = subprocess.run(

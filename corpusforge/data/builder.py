@@ -23,15 +23,9 @@ from corpusforge.data.blended import BlendedDataset, normalize, parse_blend, sam
 from corpusforge.data.cache import IndexCache
 from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_together, split_ranges
 from corpusforge.indexed import IndexedDataset
-from corpusforge.storage import LocalDataset, RemoteDataset, StorageConfig
-from corpusforge.storage import open_dataset as storage_open
+from corpusforge.storage import StorageConfig, open_dataset
 
 Dataset = GPTDataset | BlendedDataset
-
-
-def open_dataset(prefix: str, storage: StorageConfig | None = None) -> LocalDataset | RemoteDataset:
-    """The token dataset at `prefix` (a path or an fsspec URL), or an error naming the files that are missing."""
-    return storage_open(prefix, storage)
 
 
 def read_modes(dataset: Dataset) -> dict[str, str]:
@@ -41,15 +35,9 @@ def read_modes(dataset: Dataset) -> dict[str, str]:
         >>> read_modes(train)
         {'out/a_text_document': "mmap-random (auto: the .bin (0.00 GiB) fits the page-cache budget (...)...)"}
     """
-    out = {}
-    for part in getattr(dataset, "datasets", None) or [dataset]:
-        indexed = part.indexed
-        source = getattr(indexed, "source", indexed.prefix)
-        if hasattr(indexed, "read_mode"):
-            out[source] = f"{indexed.read_mode} ({indexed.read_mode_reason})"
-        else:  # a RemoteDataset: ranged GETs into a block cache
-            out[source] = f"ranged reads of {indexed.config.block_size >> 20} MiB blocks"
-    return out
+    return {
+        part.indexed.source: part.indexed.reader.describe() for part in getattr(dataset, "datasets", None) or [dataset]
+    }
 
 
 def _splits_of(

@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.jit import njit, ready, started
 from corpusforge.data.batch import (
     RawBatch,
     assemble,
@@ -62,6 +61,7 @@ from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpi
 from corpusforge.data.mt19937 import shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
+from corpusforge.jit import njit, ready, started
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -306,24 +306,30 @@ def _compiled(kernel, entries: int) -> bool:
 def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
     """_sample_starts in numpy, the same rows, without loading a kernel: document k of the first n - 1 holds the
     starts j * seq_length (j >= 1) below its stream end (at or below without the extra token) that no earlier one
-    holds, so a count per document and one np.repeat place every start (no binary search)."""
+    holds, so the position of start j is the number of documents that hold fewer than j starts: one bincount and
+    its running sum place every start (no binary search, and no np.repeat, which copies element by element and
+    took twice as long), then one gather of the documents' beginnings gives the offsets."""
     n = len(document_index)
     out[0] = 0
     if n == 0:
         out[:] = 0
         return
-    lengths = sequence_lengths[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
-    covered = np.clip((ends[: n - 1] - extra) // seq_length, 0, num_samples)  # starts below each document's end
-    held = np.diff(covered, prepend=0)  # starts per document
+    ends = np.empty(n + 1, np.int64)  # ends[k + 1]: the stream end of document position k; ends[0] = 0
+    ends[0] = 0
+    np.cumsum(sequence_lengths[document_index], dtype=np.int64, out=ends[1:])
+    covered = ends[1:n] - extra  # starts j >= 1 below the end of each of the first n - 1 documents
+    covered //= seq_length
+    np.clip(covered, 0, num_samples, out=covered)
     inside = int(covered[-1]) if n > 1 else 0
-    starts = np.arange(seq_length, (num_samples + 1) * seq_length, seq_length, dtype=np.int64)
     rows = out[1:]
-    rows[:inside, 0] = np.repeat(np.arange(n - 1, dtype=out.dtype), held)
-    rows[:inside, 1] = starts[:inside] - np.repeat(ends[: n - 1] - lengths[: n - 1], held)  # start - doc begin
+    position = np.cumsum(np.bincount(covered, minlength=inside + 1)[:inside])
+    rows[:inside, 0] = position
+    starts = np.arange(seq_length, (inside + 1) * seq_length, seq_length, dtype=np.int64)
+    starts -= ends[position]  # minus where its document begins
+    rows[:inside, 1] = starts
     # The rest are clamped to the last document; a sample running past its end ends at (last, length - extra).
-    end = ends[n - 2] if n > 1 else 0
-    last, tail = lengths[n - 1], starts[inside:]
+    end, last = ends[n - 1], ends[n] - ends[n - 1]
+    tail = np.arange((inside + 1) * seq_length, (num_samples + 1) * seq_length, seq_length, dtype=np.int64)
     rows[inside:, 0] = n - 1
     rows[inside:, 1] = np.where(tail + extra > end + last, last - extra, tail - end)
 
@@ -499,17 +505,20 @@ def _sample_pieces(rows, sample_index, document_index, sequence_lengths, sequenc
     return src, length, dest
 
 
-# _gather_text first loads one token per this many bytes (a cache line) of every piece.
+# _gather first loads one token per this many bytes (a cache line) of every piece.
 _TOUCH_BYTES = 64
 
 
 @njit(nogil=True)
-def _gather_text(
-    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, extra, out
-):
+def _gather(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
+    text, block
+):  # fmt: skip
     """The (B, S + extra) text of samples `ids`, copied straight from the token array `source` (a memory map) into
-    `out` (the same dtype): no per-piece arrays, no second copy. Returns 0, or 1 if a sample is short (out is then
-    incomplete: the caller pads), or -1 if an id is out of range.
+    `text` (the same dtype; one of its own where `text` has no row per sample): no per-piece arrays, no second copy;
+    then, where `block` has a row per sample, their fields into the (4, B, S) int32 block (batch.fill_fields) in
+    the same call: the per-sample path pays one dispatch, not three. Returns 0, or 1 if a sample is short (text
+    and block are then incomplete: the caller pads), or -1 if an id is out of range.
 
     Two passes: the first loads one token per cache line of every piece, loads that do not wait on each other, so
     the TLB misses and DRAM latency of the whole batch overlap (a page walk is costly in a VM); the second copies
@@ -517,7 +526,10 @@ def _gather_text(
     for b in range(len(ids)):
         if ids[b] < 0 or ids[b] >= len(shuffle_index):
             return -1
-    width = out.shape[1]
+    extra = options[0]
+    if text.shape[0] != len(ids):  # the fields alone are wanted: the text is scratch
+        text = np.empty((len(ids), block.shape[2] + extra), source.dtype)
+    width = text.shape[1]
     short = 0
     touched = 0
     for copy in range(2):
@@ -532,79 +544,19 @@ def _gather_text(
                 end = last_off + extra if position == last else np.int64(sequence_lengths[doc])
                 at = sequence_pointers[doc] // itemsize + begin
                 if copy:
-                    out[b, filled : filled + end - begin] = source[at : at + end - begin]
+                    text[b, filled : filled + end - begin] = source[at : at + end - begin]
                 else:
                     for c in range(0, end - begin, max(1, _TOUCH_BYTES // itemsize)):
                         touched ^= source[at + c]
                 filled += end - begin
             short |= filled < width
+    if short == 0 and block.shape[1] == len(ids):
+        fill_fields(text, options, block)
     return np.int64(short) + 0 * np.int64(touched)  # touched is used, so the first pass is not optimised away
 
 
-@njit(nogil=True)
-def _gather_fields(
-    ids,
-    shuffle_index,
-    sample_index,
-    document_index,
-    sequence_lengths,
-    sequence_pointers,
-    itemsize,
-    source,
-    options,
-    block,
-):
-    """Samples `ids` straight from the token array `source` into the (4, B, S) int32 block of their fields:
-    _gather_text then batch.fill_fields, in one call (the per-sample path pays one dispatch, not three). Returns
-    _gather_text's status: 0, or 1 if a sample is short (the block is then incomplete), or -1 if an id is out of
-    range."""
-    extra = options[0]
-    text = np.empty((len(ids), block.shape[2] + extra), source.dtype)
-    status = _gather_text(
-        ids,
-        shuffle_index,
-        sample_index,
-        document_index,
-        sequence_lengths,
-        sequence_pointers,
-        itemsize,
-        source,
-        extra,
-        text,
-    )
-    if status == 0:
-        fill_fields(text, options, block)
-    return status
-
-
-def token_memory(indexed: Any) -> np.ndarray | None:
-    """The token array of a dataset whose reads are slice copies from its memory map anyway (a plain
-    IndexedDataset; a LocalDataset in an mmap mode), for copying samples straight out of it; None for the others
-    (pread, O_DIRECT, remote), which read through their read_spans.
-
-    Example:
-        >>> token_memory(IndexedDataset("out/a_text_document")).dtype
-        dtype('uint16')
-    """
-    if type(indexed) is IndexedDataset or getattr(indexed, "read_mode", None) in ("mmap", "mmap-random"):
-        return np.asarray(indexed.tokens)
-    return None
-
-
-def read_spans(indexed: Any, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Tokens [starts[k], starts[k] + lengths[k]) of a token dataset, concatenated: through its own read_spans
-    (storage.LocalDataset, RemoteDataset), or slice copies from a plain IndexedDataset's memory map.
-
-    Example:
-        >>> read_spans(IndexedDataset("out/a_text_document"), np.array([0, 10]), np.array([2, 2])).shape
-        (4,)
-    """
-    reader = getattr(indexed, "read_spans", None)
-    if reader is not None:
-        return reader(starts, lengths)
-    from corpusforge.storage import _copy_spans
-
-    return _copy_spans(indexed.tokens, starts, lengths, np.empty(int(np.sum(lengths)), dtype=indexed.dtype))
+# What _gather is given as `block` when only the text is wanted.
+_NO_FIELDS = np.empty((4, 0, 0), np.int32)
 
 
 def prefetch_upcoming(dataset: Any, ids: Any) -> None:
@@ -779,12 +731,10 @@ class GPTDataset:
         Example:
             >>> ds.load_kernels()
         """
-        load = getattr(self.indexed, "load_kernels", None)
-        if load is not None:
-            load()
+        self.indexed.load_kernels()
         indexed, direct = self.indexed, self._direct_args() is not None
         arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
-        key = (type(indexed), getattr(indexed, "read_mode", None), direct, indexed.dtype.str, self.config)
+        key = (type(indexed.reader), indexed.read_mode, direct, indexed.dtype.str, self.config)
         key += tuple((a.dtype.str, a.ndim, a.flags.writeable, a.flags.c_contiguous) for a in arrays)
         key += ((indexed.sequence_pointers.dtype.str, indexed.sequence_pointers.flags.writeable),)
         if key in _COMPILED:
@@ -795,11 +745,12 @@ class GPTDataset:
         _COMPILED.add(key)
 
     def _direct_args(self) -> tuple | None:
-        """The arguments of _gather_fields for this dataset, kept after the first call; None where samples are not
-        copied from a memory map (pread, O_DIRECT, remote reads) or carry an attention mask (another shape)."""
+        """The arguments of _gather for this dataset but the block, kept after the first call; None where
+        samples are not copied from a memory map (pread, O_DIRECT, remote reads: the reader has no `memory`) or
+        carry an attention mask (another shape)."""
         args = self.__dict__.get("_direct")
         if args is None and "_direct" not in self.__dict__:
-            memory = token_memory(self.indexed)
+            memory = self.indexed.reader.memory
             if memory is not None and not self.config.create_attention_mask:
                 indexed = self.indexed
                 # Plain ndarray views: numba types an np.memmap (cached indices) by a slower path on every call.
@@ -811,7 +762,8 @@ class GPTDataset:
                     np.asarray(indexed.sequence_pointers),
                     indexed.dtype.itemsize,
                     memory,
-                    kernel_options(self.config),
+                    self._options(),
+                    np.empty((0, 0), memory.dtype),  # no text: _gather makes its own scratch
                 )
             self._direct = args
         return args
@@ -821,7 +773,7 @@ class GPTDataset:
         map; False where that path does not apply (see _direct_args) or a sample is short or out of range (the
         caller then takes the general path, which pads or raises)."""
         args = self._direct_args()
-        return args is not None and _gather_fields(ids, *args, block) == 0
+        return args is not None and _gather(ids, *args, block) == 0
 
     def _split_tokens(self) -> int:
         """The split's token count. A split holding fewer tokens than one sample is repeated as Megatron-Core
@@ -876,11 +828,11 @@ class GPTDataset:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         indexed, extra = self.indexed, self.config.extra
         width = self.config.seq_length + extra
-        memory = token_memory(indexed)
-        status = 1  # as _gather_text says when a sample is short: the general path below
+        memory = indexed.reader.memory
+        status = 1  # as _gather says when a sample is short: the general path below
         if memory is not None:  # one compiled pass from the map into the batch
             text = np.empty((len(ids), width), memory.dtype)
-            status = _gather_text(
+            status = _gather(
                 ids,
                 self.shuffle_index,
                 self.sample_index,
@@ -889,8 +841,9 @@ class GPTDataset:
                 indexed.sequence_pointers,
                 indexed.dtype.itemsize,
                 memory,
-                extra,
+                self._options(),
                 text,
+                _NO_FIELDS,
             )
             if status == 0:
                 return RawBatch(text, maybe_padded=False)
@@ -900,8 +853,8 @@ class GPTDataset:
         # it goes in the flat (B * width) text; one compiled pass instead of a dozen (P,)-sized numpy ops.
         src, length, dest = self._pieces(ids)
         # One read per piece (pread, O_DIRECT, ranged GETs, or a slice copy from the map): no per-token index
-        # arrays, and on a cold file the disk reads about the sample bytes (see corpusforge/storage.py).
-        values = read_spans(indexed, src, length)
+        # arrays, and on a cold file the disk reads about the sample bytes (see corpusforge/storage/readers.py).
+        values = indexed.read_spans(src, length)
         n = len(values)
         if n == len(ids) * width:  # every sample full: the pieces tile the text in order
             return RawBatch(values.reshape(len(ids), width), maybe_padded=False)
@@ -933,10 +886,17 @@ class GPTDataset:
             return batch_fields(block)
         return assemble(self.read_raw(ids), self.config)
 
+    def _options(self) -> np.ndarray:
+        """batch.kernel_options of this dataset's config, made once."""
+        options = self.__dict__.get("_kernel_options")
+        if options is None:
+            options = self._kernel_options = kernel_options(self.config)
+        return options
+
     @property
     def remote(self) -> bool:
         """Whether the tokens come over the network (then prefetch() fetches ahead)."""
-        return hasattr(self.indexed, "prefetch_spans")
+        return self.indexed.reader.remote
 
     def prefetch(self, ids) -> None:
         """Start fetching the storage blocks that samples `ids` need (soonest first), where the token dataset is
@@ -970,28 +930,22 @@ class GPTDataset:
         return {k: v[0] for k, v in self.__getitems__([i]).items()}
 
     def __getstate__(self) -> dict[str, Any]:
-        # Sent to DataLoader workers started with spawn/forkserver: pickling a memmap would copy the whole file,
-        # so the token dataset is reopened by its prefix (storage readers pickle as "reopen me") and cached
-        # indices are re-mapped by their paths.
+        # Sent to DataLoader workers started with spawn/forkserver: the token dataset pickles as how to reopen it
+        # (IndexedDataset.__reduce__), and cached indices are re-mapped by their paths.
         state = self.__dict__.copy()
         state.pop("_direct", None)  # holds the token memory map: rebuilt where it is unpickled
-        if type(self.indexed) is IndexedDataset:
-            state["indexed"] = self.indexed.prefix
         for name in ("document_index", "sample_index", "shuffle_index"):
             # slices of a blend's shared indices travel as the shared arrays (once per pickle) and a position
             state[name] = None if "_shared" in state else picklable(state[name])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if isinstance(state["indexed"], str):
-            state["indexed"] = IndexedDataset(state["indexed"])
         shared = state.get("_shared")
         for name in ("document_index", "sample_index", "shuffle_index"):
             state[name] = unpickled(state[name]) if shared is None else shared[0].part(shared[1])[name]
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        prefix, seq = self.indexed.prefix, self.config.seq_length
-        mode = getattr(self.indexed, "read_mode", None)
-        reads = f", read_mode={mode!r} ({self.indexed.read_mode_reason})" if mode else ""
-        return f"GPTDataset({prefix!r}, {self.split}, samples={len(self)}, seq_length={seq}{reads})"
+        prefix, seq, indexed = self.indexed.prefix, self.config.seq_length, self.indexed
+        reads = f"read_mode={indexed.read_mode!r} ({indexed.read_mode_reason})"
+        return f"GPTDataset({prefix!r}, {self.split}, samples={len(self)}, seq_length={seq}, {reads})"

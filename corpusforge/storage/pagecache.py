@@ -1,7 +1,7 @@
 """Page-cache control for honest cold-read measurements (the loader benchmark, bench-io, the storage tests).
 
-Kept apart from storage.py so that importing it costs nothing: bench-io's worker processes use it, and storage.py
-compiles numba kernels.
+Standard library only: bench-io's worker processes use it. (Importing it runs corpusforge.storage's face, which
+costs numpy and the format module, not numba: the span-copy kernel is compiled at its first use.)
 """
 
 from __future__ import annotations
