@@ -6,12 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from corpusforge.errors import CorpusforgeError
-from corpusforge.fsutil import is_url
-from corpusforge.sizes import human_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-# is_url and human_bytes live in fsutil and sizes; re-exported for the iobench modules that import them from here.
-__all__ = ["PATTERNS", "BenchConfig", "BenchConfigError", "GiB", "KiB", "MiB", "human_bytes", "is_url"]
 
 # Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
 PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train")
