@@ -45,14 +45,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused, refuses_pickle
-from corpusforge.indexed import IndexedDataset, fsync_dir, fsync_path
+from corpusforge.fsutil import atomic_write, fsync_dir, fsync_path
+from corpusforge.indexed import IndexedDataset
 
 _DESCRIPTIONS: weakref.WeakKeyDictionary[IndexedDataset, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -243,7 +243,8 @@ def _write_arrays(
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
         for name, array in arrays.items():
-            _atomic_write(paths[name], partial(_save, array=array), durable=False)
+            with atomic_write(paths[name], durable=False) as f:
+                np.save(f, array, allow_pickle=False)
         written.ok = True
     except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
         _ERRORS.append((desc_path, e))
@@ -265,8 +266,8 @@ def _complete_entry(
         for path in paths.values():
             fsync_path(path)
         fsync_dir(desc_path.parent)
-        _atomic_write(desc_path, lambda f: f.write(text))
-        fsync_dir(desc_path.parent)
+        with atomic_write(desc_path) as f:  # durable: fsync, rename, fsync of the directory
+            f.write(text)
     except BaseException as e:
         _ERRORS.append((desc_path, e))
     finally:
@@ -373,25 +374,6 @@ def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] |
             return None  # an array was deleted by hand: rebuild under the lock
         arrays[name] = load_array(path)
     return arrays
-
-
-def _save(f, array: np.ndarray) -> None:
-    np.save(f, array, allow_pickle=False)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], object], durable: bool = True) -> None:
-    """Write `path` through a temporary name in the same directory (fsync'd first when `durable`), rename over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager
