@@ -460,7 +460,8 @@ def measure_replay(case: Case, slot: int, beat: Beat, compute: float = 0.0) -> l
     phase.end = time.perf_counter()
     phase.ops = len(lat)
     phase.extra["tokens"] = phase.extra["samples"] * c.seq_length
-    blocks = getattr(getattr(loader.dataset, "indexed", None), "blocks", None)  # a remote dataset's block cache
+    reader = getattr(getattr(loader.dataset, "indexed", None), "reader", None)
+    blocks = getattr(reader, "blocks", None)  # a remote .bin's block cache (storage.RemoteBinReader)
     if blocks is not None and c.loader_workers == 0:  # with workers, each counts in its own process
         phase.extra["fetched_bytes"], phase.extra["requests"] = blocks.bytes_fetched, blocks.requests
     if compute:
