@@ -20,7 +20,6 @@ Example:
     ('pread', 'PreadBinReader', array([  464,  2068, 50256], dtype=uint16))
 """
 
-from corpusforge.fsutil import is_url
 from corpusforge.indexed import BinReader, IndexedDataset, MMapBinReader, copy_spans
 from corpusforge.storage.config import READ_MODES, StorageConfig, with_read_mode
 from corpusforge.storage.datasets import open_dataset
@@ -46,7 +45,6 @@ __all__ = [
     "copy_spans",
     "drop_page_cache",
     "filesystem",
-    "is_url",
     "o_direct_refused",
     "open_dataset",
     "open_reader",
