@@ -159,11 +159,12 @@ class MegatronTokenizer:
     def encode_documents(self, texts, eod: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Megatron's Encoder.encode for a batch: (flat ids, sequence lengths, sequences per document), the last
         None when every document is one sequence. `eod` (or None) ends each document that has a token."""
-        texts = text_list(texts)
         if self._splitter is None:
-            flat, lengths = self.encode_batch(texts)
+            # A column as it came (JoinedTexts, Arrow) where the engine reads it in place: no str per document.
+            flat, lengths = self._inner.encode(texts if self._inner.reads_columns else text_list(texts))
             counts = np.ones(len(texts), np.int64)
         else:
+            texts = text_list(texts)
             sentences = [self._splitter.sentences(t) for t in texts]
             counts = np.fromiter(map(len, sentences), np.int64, count=len(sentences))
             flat, lengths = self.encode_batch([s for doc in sentences for s in doc])
@@ -186,6 +187,8 @@ class _Texts:
     backend: str
     vocab_size: int
     eod_id: int | None
+    reads_columns = False
+    """`encode` takes any RecordBatch column (str list, JoinedTexts, Arrow array), not only a list of str."""
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
@@ -290,6 +293,8 @@ class _HFTexts(_Texts):
 
 class _SentencePieceTexts(_Texts):
     """The three sentencepiece types are one class in megatron.core: plain encode, eod = eos."""
+
+    reads_columns = True  # corpusforge's own tokenizer, as native preprocess calls it
 
     def __init__(self, spec: MegatronTokenizerSpec, threads: bool) -> None:
         from corpusforge.tokenizers import load_tokenizer
