@@ -48,7 +48,7 @@ def ready(kernel: Callable) -> bool:
         >>> ready(add)
         False
     """
-    return bool(kernel.signatures)
+    return bool(kernel.overloads)  # .signatures would build a list: this is asked per dataset of a blend
 
 
 def started() -> bool:
@@ -59,4 +59,10 @@ def started() -> bool:
         >>> started()
         False
     """
-    return any(kernel.signatures for kernel in _KERNELS)
+    global _STARTED
+    if not _STARTED:  # once started, always: no scan of the kernels per call then
+        _STARTED = any(kernel.overloads for kernel in _KERNELS)
+    return _STARTED
+
+
+_STARTED = False

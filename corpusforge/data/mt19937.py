@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from corpusforge.jit import njit, ready, started
@@ -47,6 +49,29 @@ _COMPILED_FROM = 1 << 24
 
 # Draws taken before their swaps are done: 64 KiB of uint32.
 _CHUNK = 1 << 14
+
+
+_THREAD = threading.local()  # seeded()'s generator, one per thread
+
+
+def seeded(seed: int) -> np.random.RandomState:
+    """A RandomState in the state of `np.random.RandomState(seed)`, valid until this thread calls seeded() again.
+
+    Making a RandomState first seeds a new MT19937 from OS entropy (~120 us here) before the seed replaces that
+    state; re-seeding this thread's one costs ~2 us. Megatron-Core makes one per dataset and split: for a blend of
+    thousands of small datasets that was a third of each one's index build.
+
+    Example:
+        >>> a = seeded(1234).randint(0, 100, 3); b = np.random.RandomState(1234).randint(0, 100, 3)
+        >>> bool((a == b).all())
+        True
+    """
+    rng = getattr(_THREAD, "rng", None)
+    if rng is None:
+        rng = _THREAD.rng = np.random.RandomState(seed)
+    else:
+        rng.seed(seed)  # the legacy seeding RandomState(seed) does: the same key, position and no cached gaussian
+    return rng
 
 
 def shuffle(rng: np.random.RandomState, array: np.ndarray) -> None:

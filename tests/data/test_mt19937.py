@@ -63,3 +63,24 @@ def test_arrays_numpy_handles_otherwise_are_left_to_numpy():
     shuffle(pcg, ours)
     np.random.RandomState(np.random.PCG64(3)).shuffle(expected)
     np.testing.assert_array_equal(ours, expected)
+
+
+def test_seeded_is_a_fresh_random_state_of_that_seed():
+    """seeded(seed) re-seeds one generator per thread: after any use, the same stream as RandomState(seed), the
+    gaussian cache included; another thread gets its own generator."""
+    import threading
+
+    from corpusforge.data.mt19937 import seeded
+
+    for seed in (1234, 0, 2**32 - 1):
+        rng = seeded(7)
+        rng.standard_normal()  # leaves a cached gaussian behind
+        shuffle(rng, np.arange(50_000))
+        ours, theirs = seeded(seed), np.random.RandomState(seed)
+        assert ours.standard_normal() == theirs.standard_normal()
+        np.testing.assert_array_equal(ours.randint(0, 1 << 30, 1000), theirs.randint(0, 1 << 30, 1000))
+    other = []
+    worker = threading.Thread(target=lambda: other.append(seeded(1)))
+    worker.start()
+    worker.join()
+    assert other[0] is not seeded(1)
