@@ -9,9 +9,9 @@ the side's dataset modules (megatron-core: its GPTDataset and builder, torch wit
 corpusforge.data), the first build of train/valid/test (split 969,30,1, one epoch of train samples of 2048 tokens)
 into an empty cache directory until the cache files are written (megatron-core: np.save, no fsync; corpusforge:
 wait_for_index_files), then --builds - 1 more builds in the same process (their median: a warm process that has only
-built), the first sample read after them (ds[0]: torch tensors; corpusforge imports torch and starts numba there),
-and --builds / 2 builds after that read (the median of all but the first: a warm process that has read samples,
-where corpusforge's index builders call their numba kernels).
+built), the first sample read after them (ds[0]: torch tensors; corpusforge imports torch there, and reads a
+process's first 64 samples through numpy: numba is not started by it), and --builds / 2 builds after that read (the
+median of all but the first: a warm process that has read a sample).
 Medians of the rounds, with the load average before each child; prints a table and writes JSON.
 """
 
@@ -70,7 +70,7 @@ def child(side: str, tokens: int, docs: int, builds: int) -> dict:
     t0 = time.perf_counter()
     train_ds[0]
     first_sample = time.perf_counter() - t0
-    after_read = []  # a process that has read samples: numba has started, corpusforge's index kernels load in ms
+    after_read = []  # a process that has read a sample (torch imported)
     for _ in range(max(2, builds // 2)):
         cache = Path(tempfile.mkdtemp(prefix="first-build-"))
         t0 = time.perf_counter()
