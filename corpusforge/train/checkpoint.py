@@ -1,33 +1,47 @@
-"""Checkpoints: complete or absent, written while training goes on, resumed exactly.
+"""Checkpoints: sharded (every rank writes its own pieces), complete or absent, written while training goes on,
+resumed exactly into any layout.
 
-Layout of `{out_dir}/checkpoints/step_{step:08d}/`, written by rank 0:
+Layout of `{out_dir}/checkpoints/step_{step:08d}/`:
 
-    model.pt      full (unsharded) model state dict, CPU tensors, keys as in GPT.state_dict()
-    optimizer.pt  full optimizer state dict, keyed by parameter name (torch.distributed.checkpoint.state_dict)
-    trainer.pt    {"step", "scheduler": {"step", "lr"}, "rng": [per rank: python, numpy, torch, cuda],
-                   "loader": the train loader's state_dict (global: consumed samples, seed, data fingerprint)}
-    meta.json     step, model shape, world size, seconds; written last
+    __{rank}_0.distcp  each rank's shards of the model and optimizer state (torch.distributed.checkpoint, DCP)
+    .metadata          DCP's index: every tensor's global shape and which file holds which chunk of it
+    trainer.pt         rank 0: {"step", "scheduler": {"step", "lr"}, "rng": [per rank: python, numpy, torch, cuda],
+                       "loader": the train loader's state_dict (global: consumed samples, seed, data fingerprint)}
+    meta.json          step, model shape, world size, config; written last
 
-Atomic: everything is written into `.tmp-step_{step:08d}` beside the final directory, each file fsynced, then the
-directory is renamed to its final name and the parent fsynced. A process killed mid-save leaves a `.tmp-*` that
-is ignored and removed at the next start, and the previous checkpoint stays the latest.
+The DCP state holds `model.{name}` and `optim.state.{name}.{exp_avg,exp_avg_sq,step}` (tensors only), `name` being
+the parameter's name in the whole model whatever the layout: a pipeline stage's layers keep their global names
+(`layers.7.attention.wq.weight`), a tensor-parallel or FSDP shard is a chunk of the global tensor, and a tied head
+is saved once, as its embedding. So a run saved at tp=2 x pp=2 resumes at dp=4 or in one process: DCP reads each
+rank's chunks from whichever files hold them. The optimizer's hyperparameters are not saved: they come from the
+config (the learning rate is set every step).
 
-Not stalling: `save()` takes a CPU copy of the state (collective for FSDP, a device-to-host copy on GPU, a clone
-on CPU) and returns; a background thread writes the files. Only the copy stalls training; both times go to
-metrics.jsonl ("checkpoint" records: stall_s, write_s). A further save or the end of the run waits for the
-previous write first. Files are plain torch.save of tensors and built-in types, loaded with weights_only=True.
+Atomic: every rank writes into `.tmp-step_{step:08d}` beside the final directory (DCP fsyncs each file, and rank 0
+writes `.metadata` only once every rank has written its shards), then rank 0 adds trainer.pt and meta.json, renames
+the directory to its final name and fsyncs the parent. A process killed mid-save leaves a `.tmp-*` that is ignored
+and removed at the next start, and the previous checkpoint stays the latest.
+
+Not stalling: `save()` stages a CPU copy of this rank's shards (dcp.async_save) and returns; a background thread
+writes them (its collectives on a gloo group of their own). Only the copy stalls training; both times go to
+metrics.jsonl ("checkpoint_stall" records: stall_s; "checkpoint": write_s). A further save or the end of the run
+waits for the previous write first.
+
+Untrusted files: no pickle runs code. trainer.pt is loaded with weights_only=True; DCP's `.metadata` is a pickle,
+read with an unpickler that builds DCP's own metadata classes and nothing else. Checkpoints of corpusforge before
+sharded saves (a full-state model.pt) are refused with the command that converts them (`convert_full_state`).
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import os
 import pickle
 import random
 import shutil
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +49,13 @@ import numpy as np
 import torch
 
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
+from corpusforge.fsutil import atomic_write, fsync_dir, write_json_atomic
+from corpusforge.train.parallel import tied_aliases
 
 PREFIX, TMP = "step_", ".tmp-"
+
+# DCP warns on every save and load by one process that it assumes one process: that is the intent here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(CorpusforgeError, ValueError):
@@ -107,66 +126,97 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """A deep copy with every tensor on the CPU and detached from the live training state."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
+def _pairs(model: torch.nn.Module, optimizer: Any) -> list[tuple[torch.nn.Module, Any]]:
+    """[(module, its optimizer)]: one pair, or one per pipeline stage (pipeline.Optimizers holds one per stage)."""
+    if hasattr(optimizer, "optimizers"):
+        return list(zip(model, optimizer.optimizers, strict=True))
+    return [(model, optimizer)]
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) full state dicts on CPU, on rank 0 (other ranks get empty dicts). Collective under
-    FSDP: every rank must call it. Works alike for a plain module, a DDP module's inner module and FSDP2."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    if next(model.parameters()).device.type != "cpu":
-        return model_sd, optim_sd  # cpu_offload already copied them off the device
-    return _cpu_copy(model_sd), _cpu_copy(optim_sd)  # on CPU they are the live tensors: snapshot them
+def _saved_name(key: str, aliases: dict[str, str]) -> str:
+    """The name a state entry is saved under: a tied head's (`lm_head.weight`, `state.lm_head.weight.exp_avg`) is
+    its embedding's."""
+    for head, embedding in aliases.items():
+        if key == head or key.startswith(f"state.{head}."):
+            return key.replace(head, embedding, 1)
+    return key
 
 
-def _write_file(path: Path, obj: Any) -> None:
-    """torch.save then fsync, so that a rename after it publishes complete bytes."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+class ShardedState:
+    """This rank's model and optimizer state in DCP's terms: `flat` maps the saved names (`model.{name}`,
+    `optim.state.{name}.{key}`, layout-free) to this rank's tensors (DTensor shards under TP/FSDP); `parts` keeps the
+    state dicts of torch.distributed.checkpoint.state_dict per module, whose tensors `flat` shares, to be set back
+    into the modules after a load. Not collective: no rank gathers anything.
+
+    Example:
+        >>> state = ShardedState.of(model, optimizer)
+        >>> sorted(state.flat)[:2]
+        ['model.layers.0.attention.wq.weight', 'model.layers.0.attention_norm.weight']
+    """
+
+    def __init__(self, parts: list[tuple[torch.nn.Module, Any, dict, dict]], flat: dict[str, torch.Tensor]) -> None:
+        self.parts, self.flat = parts, flat
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, optimizer: Any, with_optimizer: bool = True) -> ShardedState:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        parts, flat = [], {}
+        for module, opt in _pairs(model, optimizer):
+            if with_optimizer:
+                model_sd, optim_sd = get_state_dict(module, opt, options=options)
+            else:
+                model_sd, optim_sd = get_model_state_dict(module, options=options), {}
+            aliases = tied_aliases(module)
+            for prefix, sd in (("model", model_sd), ("optim", optim_sd)):
+                for key, value in sd.items():
+                    if torch.is_tensor(value):  # the optimizer's hyperparameters come from the config
+                        flat.setdefault(f"{prefix}.{_saved_name(key, aliases)}", value)  # a tie: once
+            parts.append((module, opt, model_sd, optim_sd))
+        return cls(parts, flat)
+
+    def set_back(self) -> None:
+        """Put the loaded tensors (DCP loads in place into `flat`) back into the modules and optimizers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for module, opt, model_sd, optim_sd in self.parts:
+            aliases = tied_aliases(module)
+            for sd, prefix in ((model_sd, "model"), (optim_sd, "optim")):
+                for key in sd:
+                    name = f"{prefix}.{_saved_name(key, aliases)}"
+                    if name in self.flat and sd[key] is not self.flat[name]:  # a tied head: its embedding's tensor
+                        sd[key] = self.flat[name]
+            if opt is None:
+                set_model_state_dict(module, model_sd, options=options)
+            else:
+                set_state_dict(module, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _dcp_kwargs(group: Any) -> dict[str, Any]:
+    """DCP's process arguments: `group` when distributed, else a save or load by this process alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return {"process_group": group}
+    return {"no_dist": True}
 
 
-def write_checkpoint(out_dir: str | Path, step: int, pieces: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write `pieces` ({"model": ..., "optimizer": ..., "trainer": ...}) as one atomic checkpoint directory."""
-    root = checkpoint_root(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP}{PREFIX}{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, obj in pieces.items():
-        _write_file(tmp / f"{name}.pt", obj)
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    old = None
-    if final.exists():  # the same step saved again (a rerun): set the old one aside only now
-        old = root / f"{TMP}old-{PREFIX}{step:08d}"
+def publish(tmp: Path, final: Path, trainer: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Complete the checkpoint in `tmp` (every rank's shards and DCP's .metadata written) with trainer.pt and
+    meta.json, and rename it to `final` (the same step saved again by a rerun: the old one set aside only now)."""
+    with atomic_write(tmp / "trainer.pt") as f:
+        torch.save(trainer, f)
+    write_json_atomic(tmp / "meta.json", meta)
+    fsync_dir(tmp)
+    root, old = final.parent, None
+    if final.exists():
+        old = root / f"{TMP}old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(root)
+        final.rename(old)
+    tmp.rename(final)
+    fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -183,37 +233,57 @@ def prune(out_dir: str | Path, keep: int) -> None:
 
 
 class Checkpointer:
-    """Saves from rank 0, in a background thread when `asynchronous`; one save in flight at a time.
+    """Every rank writes its shards (dcp.async_save when `asynchronous`, on a background thread); rank 0 completes
+    and publishes the directory once all are written. One save in flight at a time. Every rank must construct it
+    (the gloo group for the background collectives is created here) and call save() and wait().
 
     Example:
         >>> ckpt = Checkpointer("runs/a", rank=0, keep=2, asynchronous=True)
-        >>> stall_s = ckpt.save(step, pieces, meta)     # returns once the state is copied
+        >>> ckpt.save(step, ShardedState.of(model, optimizer), trainer, meta)   # returns once the state is staged
         >>> ckpt.wait()                                 # before exit: the write is complete, or its error raised
     """
 
     def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool) -> None:
+        import torch.distributed as dist
+
         self.out_dir, self.rank, self.keep, self.asynchronous = Path(out_dir), rank, keep, asynchronous
+        # DCP's own collectives (plans, then "all written") on a gloo group: a background save must not interleave
+        # with the training's collectives on the default group, and gloo needs no device (as torchtitan does)
+        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last: dict[str, Any] | None = None  # {"step", "path", "write_s"} of the last finished write
 
-    def save(self, step: int, pieces: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Write `pieces` (already CPU copies) for `step`; returns at once when asynchronous."""
+    def save(self, step: int, state: ShardedState, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Write `state` (this rank's shards) and, from rank 0, `trainer` and `meta` as the checkpoint of `step`;
+        returns once the shards are staged in host memory when asynchronous."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait()
-        if self.rank != 0:
-            return
+        root = checkpoint_root(self.out_dir)
+        final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP}{PREFIX}{step:08d}"
+        if self.rank == 0:  # a killed save's leftovers; the others write only after DCP's plan exchange with rank 0
+            shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.perf_counter()
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._write, args=(step, pieces, meta), name="checkpoint")
+            future = dcp.async_save(state.flat, storage_writer=writer, **_dcp_kwargs(self.group))
+            self._thread = threading.Thread(target=self._finish, args=(future, step, tmp, final, trainer, meta, t0),
+                                            name="checkpoint")  # fmt: skip
             self._thread.start()
         else:
-            self._write(step, pieces, meta)
+            dcp.save(state.flat, storage_writer=writer, **_dcp_kwargs(self.group))
+            self._finish(None, step, tmp, final, trainer, meta, t0)
+            self.wait()
 
-    def _write(self, step: int, pieces: dict[str, Any], meta: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
+    def _finish(self, future: Any, step: int, tmp: Path, final: Path, trainer: dict, meta: dict, t0: float) -> None:
         try:
-            path = write_checkpoint(self.out_dir, step, pieces, meta)
-            prune(self.out_dir, self.keep)
-            self.last = {"step": step, "path": str(path), "write_s": time.perf_counter() - t0}
+            if future is not None:
+                future.result()  # on rank 0, DCP returns once every rank's shards and .metadata are written
+            if self.rank == 0:
+                path = publish(tmp, final, trainer, meta)
+                prune(self.out_dir, self.keep)
+                self.last = {"step": step, "path": str(path), "write_s": time.perf_counter() - t0}
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
 
@@ -315,26 +385,159 @@ def resume_refused(path: str | Path, saved_config: dict[str, Any], config: dict[
     )
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model and optimizer state into `model`/`optimizer` (every rank reads the full files, memory-mapped,
-    and keeps its shard under FSDP); returns the trainer state (step, scheduler, rng, loader)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+# DCP's .metadata is a pickle of these classes (and torch sizes and dtypes): the unpickler builds them and nothing
+# else, so a crafted file cannot run code (DESIGN: untrusted files, no pickle)
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+class _NotMetadata(pickle.UnpicklingError):
+    """The pickle names a global that DCP's metadata never holds: refused, never built."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise _NotMetadata(f"{module}.{name}")
+
+
+def _reader(path: Path) -> Any:
+    """A DCP FileSystemReader of `path` whose .metadata is read by _MetadataUnpickler; a damaged or foreign one is
+    refused in one line."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            file = path / ".metadata"
+            try:
+                with open(file, "rb") as f:
+                    if f.read(4) == b"PK\x03\x04":  # a torch.save archive (objects pickled inside), never DCP's
+                        raise _NotMetadata("a torch.save archive")
+                    f.seek(0)
+                    metadata = _MetadataUnpickler(f).load()
+            except _NotMetadata as e:
+                raise PickleRefusedError(pickle_refused(file, _delete_hint(path)) + f" ({e})") from None
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+                raise CheckpointError(f"{file}: damaged ({first_line(e)}); {_delete_hint(path)}") from None
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def check_format(path: str | Path) -> Path:
+    """`path` if it holds a sharded (DCP) checkpoint; a full-state one of earlier corpusforge versions is refused
+    with the command that converts it."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    if (path / "model.pt").is_file():
+        raise CheckpointError(
+            f"{path}: a full-state checkpoint (model.pt) of an earlier corpusforge; convert it to the sharded format "
+            f"once with: python -m corpusforge.train.checkpoint {path}"
+        )
+    raise CheckpointError(f"{path}: no .metadata (not a sharded checkpoint, or damaged); {_delete_hint(path)}")
+
+
+def _check_shapes(path: Path, reader: Any, state: ShardedState) -> None:
+    """Every tensor this run needs is in the checkpoint with the same global shape, or a one-line error."""
+    saved = reader.read_metadata().state_dict_metadata
+    missing = [k for k in state.flat if k not in saved]
+    wrong = [f"{k}: {tuple(saved[k].size)} != {tuple(v.shape)}" for k, v in state.flat.items()
+             if k in saved and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(v.shape)]  # fmt: skip
+    if missing or wrong:
+        raise CheckpointError(
+            f"{path}: parameters do not match this model: {'; '.join(wrong[:5])}"
+            + (f" missing {', '.join(missing[:5])}" if missing else "")
+        )
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any, group: Any = None) -> dict[str, Any]:
+    """Load a sharded checkpoint (saved with any layout) into `model`/`optimizer` (a whole model, an FSDP/TP one,
+    or a ModuleList of pipeline stages with pipeline.Optimizers): each rank reads only the chunks of its shards.
+    Collective when distributed (`group`: the Checkpointer's). Returns the trainer state (step, scheduler, rng,
+    loader).
+
+    Example:
+        >>> trainer = load_checkpoint("runs/a/checkpoints/step_00000020", model, optimizer)
+    """
+
+    path = check_format(path)
+    if not (path / "trainer.pt").is_file():
+        raise CheckpointError(f"{path}: missing trainer.pt; {_delete_hint(path)}")
+    state = ShardedState.of(model, optimizer)
+    reader = _reader(path)
+    _check_shapes(path, reader, state)
+    _dcp_load(path, state, reader, **_dcp_kwargs(group))
+    state.set_back()
+    return _torch_load(path / "trainer.pt")
+
+
+def _dcp_load(path: Path, state: ShardedState, reader: Any, **kwargs: Any) -> None:
+    """dcp.load into `state`; a shard file cut short or damaged is one line (DCP's error lists every rank's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state.flat, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        why = first_line(next(iter(e.failures.values()), e))
+        raise CheckpointError(f"{path}: a shard file is damaged or missing ({why}); {_delete_hint(path)}") from None
+
+
+def load_model(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """Load the model weights of a sharded checkpoint into `model`, whole, in this process (export-hf): DCP
+    assembles each tensor from every rank's chunks.
+
+    Example:
+        >>> model = load_model("runs/a/checkpoints/step_00000020", Llama(cfg))
+    """
+
+    path = check_format(path)
+    state = ShardedState.of(model, None, with_optimizer=False)
+    reader = _reader(path)
+    _check_shapes(path, reader, state)
+    _dcp_load(path, state, reader, no_dist=True)
+    state.set_back()
+    return model
+
+
+def convert_full_state(path: str | Path) -> Path:
+    """Rewrite a full-state checkpoint of earlier versions (model.pt, optimizer.pt keyed by parameter name) in the
+    sharded format, in place and atomically (the new directory renamed over the old); one process, holding the
+    whole state in memory once.
+
+    Example:
+        >>> convert_full_state("runs/a/checkpoints/step_00000020")   # python -m corpusforge.train.checkpoint PATH
+    """
+    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    missing = [n for n in ("model.pt", "optimizer.pt", "trainer.pt") if not (path / n).is_file()]
-    if missing:
-        raise CheckpointError(f"{path}: missing {', '.join(missing)}")
-    model_sd = _torch_load(path / "model.pt", mmap=True)
-    optim_sd = _torch_load(path / "optimizer.pt", mmap=True)
-    mine = model.state_dict()
-    wrong = [
-        f"{k}: {tuple(v.shape)} != {tuple(mine[k].shape)}"
-        for k, v in model_sd.items()
-        if k in mine and tuple(v.shape) != tuple(getattr(mine[k], "shape", v.shape))
-    ]
-    if wrong or set(model_sd) != set(mine):
-        extra = sorted(set(model_sd) ^ set(mine))[:5]
-        raise CheckpointError(f"{path}: parameters do not match this model: {'; '.join(wrong[:5])} {extra or ''}")
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    return _torch_load(path / "trainer.pt")
+    model_sd, optim_sd = _torch_load(path / "model.pt", mmap=True), _torch_load(path / "optimizer.pt", mmap=True)
+    flat = {f"model.{k}": v for k, v in model_sd.items()}  # a tied head under both names: the load reads one
+    for name, entries in optim_sd["state"].items():
+        flat.update({f"optim.state.{name}.{k}": v for k, v in entries.items() if torch.is_tensor(v)})
+    tmp = path.with_name(f"{TMP}convert-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+    return publish(tmp, path, _torch_load(path / "trainer.pt"), {**load_meta(path), "converted_from": "full-state"})
+
+
+if __name__ == "__main__":  # python -m corpusforge.train.checkpoint STEP_DIR...: convert full-state checkpoints
+    for arg in sys.argv[1:]:
+        print(f"converted {convert_full_state(arg)}")

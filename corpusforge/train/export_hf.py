@@ -25,6 +25,15 @@ import torch
 from corpusforge.train.llama import Llama, LlamaConfig
 from corpusforge.train.model import GPT, GPTConfig
 
+# transformers' config keys -> ours: the shape of each family, renamed
+HF_LLAMA_KEYS = {"vocab_size": "padded_vocab", "hidden_size": "n_embd", "intermediate_size": "ffn_hidden",
+                 "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+                 "max_position_embeddings": "block_size", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+                 "tie_word_embeddings": "tie_embeddings"}  # fmt: skip
+HF_GPT2_KEYS = {"vocab_size": "padded_vocab", "n_positions": "block_size", "n_embd": "n_embd",
+                "n_layer": "n_layer", "n_head": "n_head", "resid_pdrop": "dropout", "embd_pdrop": "dropout",
+                "attn_pdrop": "dropout"}  # fmt: skip
+
 
 def hf_config(cfg: GPTConfig | LlamaConfig) -> Any:
     """The transformers config of a model config."""
@@ -32,44 +41,17 @@ def hf_config(cfg: GPTConfig | LlamaConfig) -> Any:
 
     if isinstance(cfg, LlamaConfig):
         scaling = None
-        if cfg.rope_scaling:
-            scaling = {
-                "rope_type": "llama3",
-                "factor": cfg.rope_scaling,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": cfg.rope_original_context,
-            }
-        return transformers.LlamaConfig(
-            vocab_size=cfg.padded_vocab,
-            hidden_size=cfg.n_embd,
-            intermediate_size=cfg.ffn_hidden,
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head,
-            num_key_value_heads=cfg.n_kv_head,
-            max_position_embeddings=cfg.block_size,
-            rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=False,
-            mlp_bias=False,
-            dtype="float32",
-        )
-    return transformers.GPT2Config(
-        vocab_size=cfg.padded_vocab,
-        n_positions=cfg.block_size,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        activation_function="gelu_new",  # the tanh approximation, as model.MLP
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout,
-        layer_norm_epsilon=1e-5,
-        tie_word_embeddings=True,
-        dtype="float32",
-    )
+        if cfg.rope_scaling:  # Llama 3.1's "llama3" frequency scaling (llama.rope_frequencies)
+            scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": cfg.rope_original_context}  # fmt: skip
+        shape = {theirs: getattr(cfg, ours) for theirs, ours in HF_LLAMA_KEYS.items()}
+        return transformers.LlamaConfig(**shape, rope_scaling=scaling, attention_bias=False, mlp_bias=False,
+                                        dtype="float32")  # fmt: skip
+    shape = {theirs: getattr(cfg, ours) for theirs, ours in HF_GPT2_KEYS.items()}
+    # gelu_new: the tanh approximation, as model.MLP; GPT-2 always ties the head to the embedding
+    return transformers.GPT2Config(**shape, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                                   tie_word_embeddings=True, dtype="float32")  # fmt: skip
 
 
 LLAMA_NAMES = {
@@ -144,10 +126,10 @@ def export_hf(run_dir: str | Path, output: str | Path, checkpoint: str | Path | 
               tokenizer: str | Path | None = None) -> Path:  # fmt: skip
     """Write the latest (or the given) checkpoint of `run_dir` to `output` as model.safetensors + config.json,
     with `tokenizer` (a Hugging Face tokenizer directory or tokenizer.json) copied beside them; returns `output`.
-    Checkpoints are layout-free (full state), so a run trained with any tp/pp/FSDP layout exports alike."""
+    Checkpoints are layout-free (DCP, global names), so a run trained with any tp/pp/FSDP layout exports alike."""
     from corpusforge.train import checkpoint as ckpt
     from corpusforge.train.config import TrainConfig
-    from corpusforge.train.trainer import model_config
+    from corpusforge.train.trainer import build_model, model_config
 
     run_dir, output = Path(run_dir), Path(output)
     path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(run_dir)
@@ -159,8 +141,12 @@ def export_hf(run_dir: str | Path, output: str | Path, checkpoint: str | Path | 
     if "config" not in meta:
         raise ckpt.CheckpointError(f"{path}/meta.json: records no config; export a checkpoint written by this version")
     mcfg = model_config(TrainConfig.from_dict(meta["config"]))
-    state = ckpt._torch_load(path / "model.pt", mmap=True)
-    hf = to_hf_from_state(state, mcfg)
+    with torch.device("meta"):  # no initialisation: every weight comes from the checkpoint
+        model = build_model(mcfg)
+    model.to_empty(device="cpu")
+    if hasattr(model, "reset_buffers"):  # Llama's rotary frequencies are computed, not saved
+        model.reset_buffers()
+    hf = to_hf(ckpt.load_model(path, model))  # DCP assembles each tensor from every rank's shards
     output.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(output, safe_serialization=True)
     if tokenizer:

@@ -193,6 +193,11 @@ class Llama(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def reset_buffers(self) -> None:
+        """Recompute the rotary frequencies (a model built on the meta device has none until materialised)."""
+        for block in self.layers.values():
+            block.attention.inv_freq = rope_frequencies(self.cfg).to(block.attention.inv_freq.device)
+
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of int64 tokens `idx` (B, T). A pipeline stage without the embedding takes the hidden
         states (B, T, C) instead, and one without the head returns them."""

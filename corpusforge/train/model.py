@@ -108,6 +108,24 @@ def init_gpt2_weights(module: nn.Module, n_layer: int) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
 
+def init_parameter(module: nn.Module, name: str, out: torch.Tensor, n_layer: int, generator: torch.Generator) -> None:
+    """Fill `out`, the whole (unsharded) tensor of `module`'s parameter `name`, by the same rule as
+    init_gpt2_weights (and Llama's, which is the same): matrices of linear maps and embeddings N(0, 0.02) (residual
+    projections scaled by 1/sqrt(2 * n_layer)) drawn from `generator`, biases 0, norm gains 1. For a model built on
+    the meta device (parallel.materialize), where every parameter is drawn from its own generator.
+
+    Example:
+        >>> w = torch.empty(4, 8); init_parameter(nn.Linear(8, 4), "weight", w, 12, torch.Generator().manual_seed(0))
+    """
+    if name == "weight" and isinstance(module, nn.Linear | nn.Embedding):
+        std = 0.02 / math.sqrt(2 * n_layer) if getattr(module, "residual", False) else 0.02
+        out.normal_(mean=0.0, std=std, generator=generator)
+    elif name == "bias":
+        out.zero_()
+    else:  # LayerNorm and RMSNorm gains
+        out.fill_(1.0)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,24 +290,37 @@ def tied_pair(model: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{head weight name: embedding weight name} when `model` (a whole model or a pipeline stage) holds the head of
+    a tied pair: the head is initialised, saved and loaded as the embedding (a checkpoint holds the matrix once,
+    and a last pipeline stage's copy of it starts and resumes equal to the first stage's embedding).
+
+    Example:
+        >>> tied_aliases(GPT(cfg))
+        {'lm_head.weight': 'transformer.wte.weight'}
+    """
+    pair = tied_pair(model)
+    return {f"{pair[1]}.weight": f"{pair[0]}.weight"} if pair and has_module(model, pair[1]) else {}
+
+
 def apply_tp(model: torch.nn.Module, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
     """Tensor (+ sequence) parallel in place; afterwards every parameter is a DTensor on `tp_mesh`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     top, blocks = tp_plan(model, sp, loss_parallel)
-    top = {k: v for k, v in top.items() if _has(model, k)}  # a pipeline stage may lack the embedding or the head
+    top = {k: v for k, v in top.items() if has_module(model, k)}  # a pipeline stage may lack the embedding or the head
     parallelize_module(model, tp_mesh, top)
     for name, plan in blocks:
-        if _has(model, name):
+        if has_module(model, name):
             parallelize_module(model.get_submodule(name), tp_mesh, plan)
     pair = tied_pair(model)
-    if pair and _has(model, pair[0]) and _has(model, pair[1]):
+    if pair and has_module(model, pair[0]) and has_module(model, pair[1]):
         # parallelize_module gave the embedding and the head a DTensor each: tie them again (both Shard(0) rows)
         model.get_submodule(pair[1]).weight = model.get_submodule(pair[0]).weight
     replicate_rest(model, tp_mesh)
 
 
-def _has(model: torch.nn.Module, name: str) -> bool:
+def has_module(model: torch.nn.Module, name: str) -> bool:
     try:
         return model.get_submodule(name) is not None
     except AttributeError:
@@ -397,6 +411,76 @@ def parallelize(model: torch.nn.Module, cfg: TrainConfig, layout: Layout, mesh: 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, dtype, p.cpu_offload, compiled)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. materialising a model built on the meta device
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit seed of (run seed, parameter name), the same in every process (Python's hash() is not).
+
+    Example:
+        >>> parameter_seed(1337, "layers.0.attention.wq.weight") == parameter_seed(1337, "layers.0.attention.wq.weight")
+        True
+    """
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def shared_parameters(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """[(module, name, source module, source name)] for each parameter that is another module's (a tied head)."""
+    seen: dict[int, tuple[torch.nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in seen:
+                ties.append((module, name, *seen[id(param)]))
+            elif param is not None:
+                seen[id(param)] = (module, name)
+    return ties
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, device: torch.device, seed: int, n_layer: int,
+                aliases: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Allocate this rank's shards of a model built on the meta device (and already split, tensor-parallelized and
+    sharded) on `device`, and initialise them: each parameter is drawn whole from a generator seeded by (seed, its
+    name) and this rank keeps its slice, so that any layout starts from the weights one process would have.
+    `aliases` maps a parameter name to the one whose weights it copies (a pipeline's tied head copy draws as the
+    embedding). Costs one full-size parameter of memory at a time and every rank draws every parameter it holds a
+    piece of (docs/training.md: what this costs at scale, and torchtitan's seed checkpoint instead).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = Llama(cfg)
+        >>> materialize(model, torch.device("cpu"), seed=1337, n_layer=cfg.n_layer)
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from corpusforge.train.model import init_parameter
+
+    ties = shared_parameters(model)
+    model.to_empty(device=device)
+    for module, name, source, source_name in ties:  # to_empty gives each module its own tensor: tie them again
+        setattr(module, name, getattr(source, source_name))
+    done: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in done:  # a tied head: drawn once, as the embedding (registered first)
+                continue
+            done.add(id(param))
+            full_name = f"{module_name}.{name}" if module_name else name
+            generator = torch.Generator(device=device)
+            generator.manual_seed(parameter_seed(seed, (aliases or {}).get(full_name, full_name)))
+            whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+            init_parameter(module, name, whole, n_layer, generator)
+            if isinstance(param, DTensor):  # every rank holds `whole`: each slices its own shard, no communication
+                whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param = param.to_local()
+            param.copy_(whole)
+    if hasattr(model, "reset_buffers"):
+        model.reset_buffers()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 from corpusforge.train.llama import Llama
 from corpusforge.train.model import GPT
-from corpusforge.train.parallel import Layout, stages_of_rank, tied_pair
+from corpusforge.train.parallel import Layout, has_module, stages_of_rank, tied_pair
 
 
 def cut_stage(model: GPT | Llama, layers: tuple[int, ...], first: bool, last: bool) -> GPT | Llama:
@@ -91,7 +91,7 @@ def sync_tied_grads(parts: list[torch.nn.Module], group: Any) -> None:
     for part in parts:
         pair = tied_pair(part)
         for name in pair or ():
-            module = part.get_submodule(name) if _has(part, name) else None
+            module = part.get_submodule(name) if has_module(part, name) else None
             if module is not None and module.weight.grad is not None:
                 weight, grad = module.weight, module.weight.grad
                 if hasattr(grad, "to_local"):
@@ -102,13 +102,6 @@ def sync_tied_grads(parts: list[torch.nn.Module], group: Any) -> None:
                 else:
                     dist.all_reduce(grad, group=group)
                 break  # a stage holds one of the two (never both: the schedules here put them on two ranks)
-
-
-def _has(model: torch.nn.Module, name: str) -> bool:
-    try:
-        return model.get_submodule(name) is not None
-    except AttributeError:
-        return False
 
 
 def build_schedule(parts: list[tuple[int, torch.nn.Module]], layout: Layout, name: str, pp_group: Any,
@@ -126,7 +119,7 @@ def build_schedule(parts: list[tuple[int, torch.nn.Module]], layout: Layout, nam
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# optimizers and checkpoints of a rank that holds stages
+# the optimizers of a rank that holds stages
 
 
 class Optimizers:
@@ -152,89 +145,6 @@ class Optimizers:
 def _tied_names(part: torch.nn.Module) -> tuple[str, str] | None:
     """(embedding weight name, head weight name) when `part` holds the tied head's copy without the embedding."""
     pair = tied_pair(part)
-    if pair and not _has(part, pair[0]) and _has(part, pair[1]):
+    if pair and not has_module(part, pair[0]) and has_module(part, pair[1]):
         return f"{pair[0]}.weight", f"{pair[1]}.weight"
     return None
-
-
-def full_state(parts: list[torch.nn.Module], optimizers: Optimizers, gather_group: Any, rank: int) -> tuple:
-    """(model, optimizer) full state dicts of the whole model on rank 0 (empty elsewhere), in the same form as a
-    run without pipelining writes (checkpoint.full_state), so a checkpoint moves between layouts. Collective: each
-    stage's ranks gather their stage, then one rank per stage sends it to rank 0 over `gather_group`."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    model_sd: dict[str, Any] = {}
-    optim_sd: dict[str, Any] = {"state": {}, "param_groups": []}
-    for part, opt in zip(parts, optimizers.optimizers):
-        model_sd.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=options).items()})
-        osd = get_optimizer_state_dict(part, opt, options=options)
-        copy_name = (_tied_names(part) or (None, None))[1]
-        for name, state in osd["state"].items():
-            if name != copy_name:  # the tied copy's state is the embedding's, saved by the first stage
-                optim_sd["state"][name] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
-        _merge_groups(optim_sd["param_groups"], osd["param_groups"], drop=copy_name)
-    if gather_group is None:  # not a rank that speaks for its stage
-        return {}, {}
-    gathered: list[Any] = [None] * dist.get_world_size(gather_group) if rank == 0 else None
-    dist.gather_object((model_sd, optim_sd), gathered, dst=0, group=gather_group)
-    if rank != 0:
-        return {}, {}
-    model_all: dict[str, Any] = {}
-    optim_all: dict[str, Any] = {"state": {}, "param_groups": []}
-    for m, o in gathered:
-        model_all.update(m)
-        optim_all["state"].update(o["state"])
-        _merge_groups(optim_all["param_groups"], o["param_groups"])
-    return model_all, optim_all
-
-
-def _merge_groups(into: list[dict], groups: list[dict], drop: str | None = None) -> None:
-    """Param groups of several stages' optimizers as one optimizer's: the same hyperparameters, the names joined."""
-    for i, group in enumerate(groups):
-        names = [n for n in group["params"] if n != drop]
-        if i < len(into):
-            into[i]["params"].extend(names)
-        else:
-            into.append({**group, "params": names})
-
-
-def load_state(parts: list[torch.nn.Module], optimizers: Optimizers, model_sd: dict, optim_sd: dict) -> None:
-    """Load a full checkpoint (of any layout) into this rank's stages: each takes its parameters' entries."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-    for part, opt in zip(parts, optimizers.optimizers):
-        names = set(part.state_dict())
-        set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in names}, options=options)
-        tied = _tied_names(part)
-        state = {k: v for k, v in optim_sd["state"].items() if k in names}
-        if tied:
-            state[tied[1]] = optim_sd["state"][tied[0]]
-        groups = []
-        for group in optim_sd["param_groups"]:
-            mine = [n for n in group["params"] if n in names]
-            if tied and tied[0] in group["params"]:
-                mine.append(tied[1])
-            groups.append({**group, "params": mine})
-        set_optimizer_state_dict(part, opt, {"state": state, "param_groups": groups}, options=options)
-
-
-def gather_group(layout: Layout, rank: int) -> Any:
-    """The group of the ranks that speak for their stage when saving (dp and tp coordinates all 0, one per
-    pipeline position, rank 0 among them), or None for the others. Every rank must call it."""
-    import torch.distributed as dist
-
-    rest = layout.world // layout.pp
-    ranks = [p * rest for p in range(layout.pp)]
-    group = dist.new_group(ranks)
-    return group if rank in ranks else None

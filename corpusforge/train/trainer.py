@@ -204,7 +204,6 @@ class Plan:
     stage_ids: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
     mesh: Any = None  # the DeviceMesh (pp, dp_replicate, dp_shard, tp) when the layout needs one
     schedule: Any = None  # the pipeline schedule when pp > 1 (then `model` is a ModuleList of this rank's stages)
-    gather_group: Any = None  # pp > 1: the ranks that send their stage's state to rank 0 when saving
     tied_group: Any = None  # pp > 1 with a tied embedding: the ranks of the first and last stage (pipeline.py)
 
     def loss_context(self):
@@ -249,7 +248,7 @@ def find_resume(cfg: TrainConfig, shape: dict[str, int]) -> Path | None:
     if path is None:
         return None
     ckpt.check_compatible(path, ckpt.load_meta(path), shape)
-    return path
+    return ckpt.check_format(path)  # a full-state checkpoint of an earlier version: refused, with how to convert it
 
 
 def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = False) -> Plan:
@@ -259,8 +258,11 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     g = model_config(cfg)
     resume_from = find_resume(cfg, model_shape(g))
     data = build_data(cfg, layout.dp_rank(rt.rank), layout.dp, rt.barrier if rt.distributed else None, rt.device)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP and TP shard them, DDP checks them)
-    with torch.device("meta" if dry_run else rt.device):
+    # GPT and Llama are built on the meta device and only each rank's shards materialised after the parallel plan
+    # (par.materialize), so a model larger than one rank's memory can start; RETRO is built whole on every rank
+    on_meta = dry_run or not isinstance(g, RetroConfig)
+    torch.manual_seed(cfg.seed)  # RETRO: the same initial weights on every rank
+    with torch.device("meta" if on_meta else rt.device):
         model = build_model(g)
     n_params = model.num_params()
     if isinstance(g, RetroConfig):  # the encoder and the cross-attentions counted too
@@ -295,10 +297,12 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
         if isinstance(model, RetroModel):  # the encoder its own FSDP unit, before the blocks and the root
             shard_retro_encoder(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device))
         par.parallelize(model, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
+        materialize(model, cfg, rt)
         if compiled and not layout.fsdp:
             model.compile()
         return model, model
     par.apply_ac(model, cfg.parallel.activation_checkpoint)
+    materialize(model, cfg, rt)
     if compiled:
         model.compile()
     if rt.distributed:
@@ -307,6 +311,12 @@ def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.La
         ids = [rt.local_rank] if rt.device.type == "cuda" else None
         return model, DDP(model, device_ids=ids, gradient_as_bucket_view=True)
     return model, model
+
+
+def materialize(model: torch.nn.Module, cfg: TrainConfig, rt: Runtime, aliases: dict[str, str] | None = None) -> None:
+    """This rank's shards of a model built on the meta device, allocated and initialised (par.materialize)."""
+    if next(model.parameters()).is_meta:
+        par.materialize(model, rt.device, cfg.seed, model.cfg.n_layer, aliases)
 
 
 def shard_retro_encoder(model: RetroModel, cfg: TrainConfig, layout: par.Layout, mesh: Any,
@@ -349,6 +359,7 @@ def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par
     parts = pipe.split_model(model, layout, layout.coords(rt.rank)["pp"], cfg.parallel.pp_schedule)
     for _, part in parts:
         par.parallelize(part, cfg, layout, plan.mesh, autocast_dtype(cfg, rt.device), compiled)
+        materialize(part, cfg, rt, par.tied_aliases(part))
         pipe.mark_tied_copy(part)
     plan.tied_group = pipe.tied_group(layout, rt.rank, model)
     scale = plan.grad_accum * layout.microbatches
@@ -360,7 +371,6 @@ def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par
     plan.schedule = pipe.build_schedule(parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(),
                                         rt.device, loss_of_microbatch)  # fmt: skip
     plan.stage_ids = [s for s, _ in parts]
-    plan.gather_group = pipe.gather_group(layout, rt.rank)
     return torch.nn.ModuleList([m for _, m in parts]), None
 
 
@@ -508,12 +518,10 @@ def gather_waits(waits: list[float], plan: Plan) -> list[list[float]]:
 
 
 def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: MetricsWriter) -> float:
-    """Snapshot the state to CPU and hand it to the saver; returns the seconds training stood still."""
+    """Hand this rank's shards to the saver (it stages them to host memory and writes them in the background);
+    returns the seconds training stood still."""
     t0 = time.perf_counter()
-    if plan.schedule is not None:  # every stage's state gathered on rank 0: the checkpoint is the same for any layout
-        model_sd, optim_sd = pipe.full_state(list(plan.model), plan.optimizer, plan.gather_group, plan.rt.rank)
-    else:
-        model_sd, optim_sd = ckpt.full_state(plan.model, plan.optimizer)  # collective under FSDP
+    state = ckpt.ShardedState.of(plan.model, plan.optimizer)  # layout-free names, whatever this rank holds
     rngs = [ckpt.rng_state()]
     if plan.rt.distributed:
         rngs = [None] * plan.rt.world_size
@@ -532,7 +540,7 @@ def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: Met
         "config": plan.cfg.to_dict(),
     }
     previous = saver.last
-    saver.save(step, {"model": model_sd, "optimizer": optim_sd, "trainer": trainer}, meta)
+    saver.save(step, state, trainer, meta)
     stall = time.perf_counter() - t0
     if previous is not None and plan.rt.is_main:  # the write before this one has finished by now
         writer.write(
@@ -542,15 +550,10 @@ def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: Met
     return stall
 
 
-def resume(plan: Plan, log: Log) -> int:
-    """Load the checkpoint into the model, optimizer, loader and RNGs; returns the step to continue after."""
-    if plan.schedule is not None:
-        path = Path(plan.resume_from)
-        model_sd, optim_sd = ckpt._torch_load(path / "model.pt", mmap=True), ckpt._torch_load(path / "optimizer.pt")
-        pipe.load_state(list(plan.model), plan.optimizer, model_sd, optim_sd)
-        state = ckpt._torch_load(path / "trainer.pt")
-    else:
-        state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer)
+def resume(plan: Plan, log: Log, group: Any = None) -> int:
+    """Load the checkpoint into the model, optimizer, loader and RNGs; returns the step to continue after. Each rank
+    reads its own shards of the model and optimizer state (`group`: the saver's gloo group)."""
+    state = ckpt.load_checkpoint(plan.resume_from, plan.model, plan.optimizer, group)
     try:
         plan.data.train.load_state_dict(state["loader"])
     except LoaderStateError as e:  # say it in config keys (max_steps 40 -> 80), not in the loader's num_samples
@@ -627,7 +630,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     writer = MetricsWriter(out, rt.is_main, cfg.metrics.tensorboard)
     saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write)
-    start = resume(plan, log) if plan.resume_from else 0
+    start = resume(plan, log, saver.group) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
     if rt.device.type == "cuda":

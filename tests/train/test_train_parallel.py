@@ -1,13 +1,15 @@
 """The parallel plan: every layout trains like one process (fp32, same seed, same data: the same losses and
-gradient norms, step by step), and every impossible layout is one line before any process group starts.
+gradient norms, step by step), a checkpoint moves between layouts, and every impossible layout is one line before
+any process group starts.
 
-Each distributed run is its own `torchrun` (gloo on CPU) under a hard timeout: pipelining and DTensor on gloo have
-no upstream CI, and a hang must fail the test rather than CI."""
+The distributed runs go through `torchrun` (gloo on CPU) under a hard timeout: pipelining and DTensor on gloo have
+no upstream CI, and a hang must fail the test rather than CI. Starting torchrun and importing torch in every process
+costs more than a tiny run, so the runs that need the same number of processes share one launch (RUNS below,
+tests/train/multirun.py), made once per module when a test first asks for it; each test checks its own run."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +24,32 @@ from corpusforge.train.trainer import model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FAMILIES = {
-    "gpt2": ['model_family="gpt2"'],
-    "llama": ['model_family="llama"', "n_kv_head=2", "ffn_hidden=64"],  # GQA: 4 query heads share 2 KV heads
+    "gpt2": ['model.family="gpt2"'],
+    "llama": ['model.family="llama"', "model.n_kv_head=2", "model.ffn_hidden=64"],  # GQA: 4 heads share 2 KV
 }
-# (processes, overrides): fp32 losses must match one process within rtol 1e-5
-LAYOUTS = {
-    "tp2-sp-lossparallel": (2, ["parallel.tp=2", "parallel.dp_replicate=1"]),
-    "fsdp2xtp2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1"]),
-}
-SLOW = {"fsdp2xtp2"}
+TP2 = ["parallel.tp=2", "parallel.dp_replicate=1"]  # with sequence parallel and the parallel loss (the defaults)
+FSDP2_TP2 = ["parallel.tp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1"]
+# 4 layers: a layer per stage for the schedules with 2 stages per rank
+PP2 = ["model.n_layer=4", "parallel.pp=2", "parallel.dp_replicate=1"]
+# Pipeline schedules: the two families share them out so that each schedule runs once and each family meets several.
+SCHEDULES = [("gpt2", "1F1B"), ("gpt2", "Interleaved1F1B"), ("llama", "GPipe"), ("llama", "LoopedBFS"),
+             ("llama", "InterleavedZeroBubble"), ("llama", "ZBVZeroBubble")]  # fmt: skip
+# 4 data-parallel ranks x 4 x 32 tokens = the 512-token batch
+RESHARD = ["model.n_layer=4", "schedule.micro_batch_size=4"]
+SAVED = "save-tp2pp2/checkpoints/step_00000002"
+
+
+def runs(nproc: int) -> dict[str, tuple[str, list[str]]]:
+    """{run name: (family, overrides)} of the launch with `nproc` processes, in the order they run."""
+    if nproc == 2:
+        return {"tp2-gpt2": ("gpt2", TP2), "tp2-llama": ("llama", TP2),
+                **{f"pp2-{s}": (f, [*PP2, f'parallel.pp_schedule="{s}"']) for f, s in SCHEDULES}}  # fmt: skip
+    if nproc == 4:  # the tp2 x pp2 save first: the dp4 run resumes from it
+        return {"fsdp2xtp2-gpt2": ("gpt2", FSDP2_TP2), "fsdp2xtp2-llama": ("llama", FSDP2_TP2),
+                "save-tp2pp2": ("gpt2", [*RESHARD, "parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1",
+                                         "schedule.stop_at_step=2"]),
+                "resume-dp4": ("gpt2", [*RESHARD, "parallel.dp_replicate=-1", "checkpoint.resume=@SAVED"])}  # fmt: skip
+    return {"pp2xfsdp2xtp2": ("llama", ["model.n_layer=4", "parallel.pp=2", *FSDP2_TP2])}  # 3D on 8 processes
 
 
 @pytest.fixture(scope="module")
@@ -47,34 +66,49 @@ def overrides(corpus: str, out, family: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def single(corpus, tmp_path_factory):
     """The one-process reference run of a family (and model overrides), made once per module."""
-    runs: dict[tuple, dict] = {}
+    made: dict[tuple, dict] = {}
 
     def get(family: str, *extra: str) -> dict[int, dict]:
-        if (family, *extra) not in runs:
+        if (family, *extra) not in made:
             d = tmp_path_factory.mktemp(f"single-{family}")
             train(load_config(None, overrides(corpus, d, family, *extra)), log=lambda line: None)
-            runs[(family, *extra)] = trainkit.run_records(d)
-        return runs[(family, *extra)]
+            made[(family, *extra)] = trainkit.run_records(d)
+        return made[(family, *extra)]
 
     return get
 
 
-def assert_same_run(got: dict[int, dict], want: dict[int, dict]) -> None:
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+@pytest.fixture(scope="module")
+def launch(corpus, tmp_path_factory):
+    """launch(nproc) -> (stdout, {run name: out_dir}): the runs of `nproc` processes, made in one torchrun."""
+    made: dict[int, tuple[str, dict[str, Path]]] = {}
+
+    def get(nproc: int) -> tuple[str, dict[str, Path]]:
+        if nproc not in made:
+            work = tmp_path_factory.mktemp(f"torchrun{nproc}")
+            dirs = {name: work / name for name in runs(nproc)}
+            args = [[a.replace("@SAVED", f'"{work / SAVED}"') for a in overrides(corpus, dirs[name], family, *extra)]
+                    for name, (family, extra) in runs(nproc).items()]  # fmt: skip
+            made[nproc] = (trainkit.torchrun_runs(args, nproc, work, timeout=600).stdout, dirs)
+        return made[nproc]
+
+    return get
+
+
+def assert_same_run(got: dict[int, dict], want: dict[int, dict], steps: tuple[int, ...] = (1, 2, 3, 4)) -> None:
+    assert sorted(got) == sorted(steps) and set(steps) <= set(want)
     for key in ("loss", "grad_norm"):
-        a, b = [got[s][key] for s in sorted(got)], [want[s][key] for s in sorted(want)]
+        a, b = [got[s][key] for s in steps], [want[s][key] for s in steps]
         assert a == pytest.approx(b, rel=1e-5), (key, a, b)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize(
-    "layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS], ids=str
-)
-def test_layout_trains_like_one_process(corpus, single, tmp_path, family, layout):
-    nproc, extra = LAYOUTS[layout]
-    done = trainkit.torchrun(overrides(corpus, tmp_path, family, *extra), nproc=nproc, timeout=240)
-    assert '"layout"' in done.stdout
-    assert_same_run(trainkit.run_records(tmp_path), single(family))
+@pytest.mark.parametrize("layout, nproc", [("tp2", 2), pytest.param("fsdp2xtp2", 4, marks=pytest.mark.slow)])
+def test_layout_trains_like_one_process(launch, single, family, layout, nproc):
+    """tp=2 with sequence parallel and the parallel loss; FSDP2 x tp=2."""
+    stdout, dirs = launch(nproc)
+    assert '"layout"' in stdout
+    assert_same_run(trainkit.run_records(dirs[f"{layout}-{family}"]), single(family))
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -84,50 +118,33 @@ def test_activation_checkpointing_changes_memory_not_results(corpus, single, tmp
     assert_same_run(trainkit.run_records(tmp_path), single("llama"))
 
 
-# Pipeline schedules: 4 layers so that the looped and V schedules (2 stages per rank) have a layer per stage; the
-# two families share the schedules out so that each schedule runs once in CI and each family meets several.
-SCHEDULES = [("gpt2", "1F1B"), ("gpt2", "Interleaved1F1B"), ("llama", "GPipe"), ("llama", "LoopedBFS"),
-             ("llama", "InterleavedZeroBubble"), ("llama", "ZBVZeroBubble")]  # fmt: skip
-
-
 @pytest.mark.parametrize("family, schedule", SCHEDULES, ids=lambda v: v)
-def test_pipeline_schedule_trains_like_one_process(corpus, single, tmp_path, family, schedule):
-    extra = ["n_layer=4"]
-    pp = ["parallel.pp=2", "parallel.dp_replicate=1", f'parallel.pp_schedule="{schedule}"']
-    trainkit.torchrun(overrides(corpus, tmp_path, family, *extra, *pp), nproc=2, timeout=240)
-    assert_same_run(trainkit.run_records(tmp_path), single(family, *extra))
+def test_pipeline_schedule_trains_like_one_process(launch, single, family, schedule):
+    _, dirs = launch(2)
+    assert_same_run(trainkit.run_records(dirs[f"pp2-{schedule}"]), single(family, "model.n_layer=4"))
 
 
 @pytest.mark.slow
-def test_pp2_fsdp2_tp2_on_8_processes(corpus, single, tmp_path):
+def test_pp2_fsdp2_tp2_on_8_processes(launch, single):
     """3D: 2 stages x 2 FSDP shards x 2 tensor halves, Llama (GQA), 8 gloo processes."""
-    extra = ["n_layer=4"]
-    layout = ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1"]
-    trainkit.torchrun(overrides(corpus, tmp_path, "llama", *extra, *layout), nproc=8, timeout=400)
-    assert_same_run(trainkit.run_records(tmp_path), single("llama", *extra))
+    _, dirs = launch(8)
+    assert_same_run(trainkit.run_records(dirs["pp2xfsdp2xtp2"]), single("llama", "model.n_layer=4"))
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_layouts(corpus, single, tmp_path):
-    """Saved at tp=2 x pp=2 after step 2, resumed at dp=4 and at one process: steps 3 and 4 are those of an
-    uninterrupted run (GPT-2: the tied embedding crosses the pipeline and the tensor split both ways)."""
-    extra = ["n_layer=4", "micro_batch_size=4"]  # 4 data-parallel ranks x 4 x 32 tokens = the 512-token batch
-    first = tmp_path / "tp2pp2"
-    layout = ["parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1"]
-    trainkit.torchrun(overrides(corpus, first, "gpt2", *extra, *layout, "stop_at_step=2", 'resume="auto"'), nproc=4)
-    want = single("gpt2", *extra)
-    for name, nproc, more in [("dp4", 4, ["parallel.dp_replicate=-1"]), ("one", 1, [])]:
-        run = tmp_path / name
-        shutil.copytree(first, run)
-        args = overrides(corpus, run, "gpt2", *extra, *more, 'resume="auto"')
-        if nproc == 1:
-            train(load_config(None, args), log=lambda line: None)
-        else:
-            trainkit.torchrun(args, nproc=nproc)
-        got = trainkit.run_records(run)
-        for step in (3, 4):
-            assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
-            assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), (name, step)
+def test_checkpoint_moves_between_layouts(launch, single, corpus, tmp_path):
+    """Saved at tp=2 x pp=2 after step 2 (each rank writing its own shards), resumed at dp=4 and at one process:
+    steps 3 and 4 are those of an uninterrupted run (GPT-2: the tied embedding crosses the pipeline and the tensor
+    split both ways)."""
+    _, dirs = launch(4)
+    want = single("gpt2", *RESHARD)
+    assert_same_run(trainkit.run_records(dirs["save-tp2pp2"]), want, steps=(1, 2))
+    shards = sorted(p.name for p in (dirs["save-tp2pp2"] / "checkpoints" / "step_00000002").glob("*.distcp"))
+    assert shards == [f"__{rank}_0.distcp" for rank in range(4)]  # every rank wrote its own
+    assert_same_run(trainkit.run_records(dirs["resume-dp4"]), want, steps=(3, 4))
+    args = overrides(corpus, tmp_path, "gpt2", *RESHARD, f'checkpoint.resume="{dirs["save-tp2pp2"].parent / SAVED}"')
+    train(load_config(None, args), log=lambda line: None)
+    assert_same_run(trainkit.run_records(tmp_path), want, steps=(3, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,8 +152,8 @@ def test_checkpoint_moves_between_layouts(corpus, single, tmp_path):
 
 
 def layout_of(*extra: str, world: int, family: str = "llama"):
-    cfg = load_config(None, ["n_layer=4", "n_head=4", "n_embd=32", "model=\"custom\"", "vocab_size=64",
-                             "seq_length=32", *FAMILIES[family], *extra])  # fmt: skip
+    cfg = load_config(None, ["model.n_layer=4", "model.n_head=4", "model.n_embd=32", 'model.name="custom"',
+                             "model.vocab_size=64", "model.seq_length=32", *FAMILIES[family], *extra])  # fmt: skip
     return resolve_layout(cfg, world, model_config(cfg))
 
 
@@ -151,7 +168,7 @@ def layout_of(*extra: str, world: int, family: str = "llama"):
         (["parallel.pp=2", 'parallel.pp_schedule="Interleaved1F1B"', "parallel.pp_layers=[2, 2]"], 2, "give 4 counts"),
         (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "does not divide micro_batch_size"),
         (["parallel.cpu_offload=true"], 2, "cpu_offload needs FSDP2"),
-        (["parallel.tp=2", "seq_length=31"], 2, "does not divide seq_length 31"),
+        (["parallel.tp=2", "model.seq_length=31"], 2, "does not divide seq_length 31"),
     ],
 )
 def test_bad_layouts_are_one_line(extra, world, message):
@@ -238,8 +255,8 @@ def test_tensor_parallel_keeps_a_tied_head_tied(tmp_path, family):
     from corpusforge.train.parallel import apply_tp, tied_pair
     from corpusforge.train.trainer import build_model
 
-    cfg = load_config(None, ['model="custom"', "n_layer=1", "n_head=4", "n_embd=32", "vocab_size=64",
-                             "seq_length=32", *FAMILIES[family]])  # fmt: skip
+    cfg = load_config(None, ['model.name="custom"', "model.n_layer=1", "model.n_head=4", "model.n_embd=32",
+                             "model.vocab_size=64", "model.seq_length=32", *FAMILIES[family]])  # fmt: skip
     mcfg = model_config(cfg)
     if family == "llama":
         mcfg = type(mcfg)(**{**mcfg.__dict__, "tie_embeddings": True})  # as Llama 3.2 1B and 3B

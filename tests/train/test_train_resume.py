@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
+import torch
 import trainkit
 
-from corpusforge.train import load_config, train
-from corpusforge.train.checkpoint import latest_checkpoint, list_checkpoints
+from corpusforge.train import CheckpointError, load_config, train
+from corpusforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from corpusforge.train.metrics import read_metrics
 
 
@@ -71,4 +76,42 @@ def test_synthetic_data_source_needs_no_dataset_and_resumes(tmp_path):
     run("", whole, 'data_source="synthetic"', "max_steps=8", "eval_interval=0")
     run("", split, 'data_source="synthetic"', "max_steps=8", "eval_interval=0", "stop_at_step=3")
     assert run("", split, 'data_source="synthetic"', "max_steps=8", "eval_interval=0")["first_step"] == 4
+    assert series(whole) == series(split)
+
+
+def write_full_state(step_dir, cfg) -> None:
+    """Rewrite a checkpoint as versions before sharded checkpoints wrote it: model.pt and optimizer.pt, the full
+    state dicts (keyed by parameter name) of torch.distributed.checkpoint.state_dict, beside trainer.pt."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from corpusforge.train.optim import make_optimizer
+    from corpusforge.train.trainer import build_model, model_config
+
+    model = build_model(model_config(cfg))
+    optimizer = make_optimizer(model, cfg, torch.device("cpu"))
+    load_checkpoint(step_dir, model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    torch.save(model_sd, step_dir / "model.pt")
+    torch.save(optim_sd, step_dir / "optimizer.pt")
+    for sharded in [step_dir / ".metadata", *step_dir.glob("*.distcp")]:
+        sharded.unlink()
+
+
+def test_full_state_checkpoint_is_refused_then_converted_and_resumed(corpus, tmp_path):
+    """A checkpoint of the earlier full-state format: one line naming the command; after that command (a real
+    process) the run resumes with the losses of an uninterrupted run."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run(corpus, whole, "schedule.max_steps=8", "metrics.eval_interval=0")
+    run(corpus, split, "schedule.max_steps=8", "metrics.eval_interval=0", "schedule.stop_at_step=4")
+    step = latest_checkpoint(split)
+    write_full_state(step, load_config(None, trainkit.tiny_overrides(corpus, split, dropout=0.1)))
+    command = "convert it .* once with: python -m corpusforge.train.checkpoint"
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(step))}: a full-state checkpoint .*{command}") as e:
+        run(corpus, split, "schedule.max_steps=8", "metrics.eval_interval=0")
+    assert "\n" not in str(e.value)
+    done = subprocess.run([sys.executable, "-m", "corpusforge.train.checkpoint", str(step)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (step / ".metadata").is_file() and not (step / "model.pt").exists()
+    assert run(corpus, split, "schedule.max_steps=8", "metrics.eval_interval=0")["first_step"] == 5
     assert series(whole) == series(split)

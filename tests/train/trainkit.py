@@ -87,19 +87,35 @@ def free_port() -> int:
 def torchrun(overrides: list[str], nproc: int, timeout: int = 240, check: bool = True):
     """`torchrun -m corpusforge.train` in its own process group of `nproc` gloo ranks, killed after `timeout`
     seconds (a hung collective fails the test instead of hanging CI); returns the CompletedProcess."""
+    return _launch(["-m", "corpusforge.train", *overrides], nproc, timeout, check, f"torchrun {nproc}")
+
+
+def torchrun_runs(runs: list[list[str]], nproc: int, work: Path | str, timeout: int = 600):
+    """Several runs (override lists) in one `torchrun` launch of `nproc` gloo ranks, one after another
+    (multirun.py), under one hard timeout; returns the CompletedProcess. Their order is kept: a run may resume
+    from an earlier one's checkpoint."""
+    import json
+
+    spec = Path(work) / "runs.json"
+    spec.write_text(json.dumps(runs))
+    script = Path(__file__).resolve().parent / "multirun.py"
+    return _launch([str(script), str(spec)], nproc, timeout, True, f"torchrun {nproc} ({len(runs)} runs)")
+
+
+def _launch(tail: list[str], nproc: int, timeout: int, check: bool, what: str):
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "corpusforge.train", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           f"--master-port={free_port()}", *tail]  # fmt: skip
+    here = str(Path(__file__).resolve().parent)  # trainkit for the scripts here, before the caller's own path
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "Error" in line or "rank" in line]
-        raise AssertionError(
-            f"torchrun {nproc} exit {done.returncode}:\n" + done.stdout[-2000:] + "\n".join(errors[-40:])
-        )
+        raise AssertionError(f"{what} exit {done.returncode}:\n" + done.stdout[-2000:] + "\n".join(errors[-40:]))
     return done
 
 
