@@ -46,6 +46,8 @@ import numpy as np
 from corpusforge import indexed, sources
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import Executor, TaskContext, make_executor
+from corpusforge.fsutil import TMP_SUFFIX, remove_leftovers, write_json_atomic
+from corpusforge.stages import TaskRun, run_tasks
 from corpusforge.tokenizers import Tokenizer, load_tokenizer
 
 MANIFEST_VERSION = 1
@@ -107,15 +109,56 @@ class PreprocessConfig:
 
 
 @dataclass
-class PreprocessStats:
-    """What a run did, as data; `to_dict()` is the `--json` summary."""
+class Counts:
+    """What was read and written: the counts a task, and a whole run, report. They add up with `+`; added in input
+    order, `first_bad` is the input's first bad record.
+
+    Example:
+        >>> (Counts(documents=2, bad={"not_json": 1}) + Counts(documents=3, bad={"not_json": 2})).bad
+        {'not_json': 3}
+    """
 
     documents: int = 0
     tokens: int = 0
     input_bytes: int = 0
     records: int = 0
     bad: dict[str, int] = field(default_factory=dict)
+    """Bad records skipped, by kind (sources.BAD_KINDS)."""
     first_bad: str | None = None
+
+    def __add__(self, other: Counts) -> Counts:
+        return replace(
+            self,
+            documents=self.documents + other.documents,
+            tokens=self.tokens + other.tokens,
+            input_bytes=self.input_bytes + other.input_bytes,
+            records=self.records + other.records,
+            bad=dict(Counter(self.bad) + Counter(other.bad)),
+            first_bad=self.first_bad or other.first_bad,
+        )
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> Counts:
+        """Read back from JSON that `asdict` or `to_dict` wrote (derived fields and unknown keys dropped)."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
+
+@dataclass
+class TaskStats(Counts):
+    """One task's counts (or one batch's); its done marker, `part-NNNNN.done.json`, is `asdict` of them."""
+
+    file_bytes: int = 0
+    """Progress units: bytes of the input files as stored (compressed for .gz/.zst), for executors whose workers
+    cannot stream progress."""
+
+    def __add__(self, other: TaskStats) -> TaskStats:
+        return replace(super().__add__(other), file_bytes=self.file_bytes + other.file_bytes)
+
+
+@dataclass
+class PreprocessStats(Counts):
+    """What a run did, as data: its tasks' counts summed, and how it ran; `to_dict()` is the `--json` summary."""
+
     seconds: float = 0.0
     tasks: int = 0
     tasks_resumed: int = 0
@@ -146,6 +189,15 @@ class PreprocessStats:
         d.update(bad_records=self.bad_records, mb_per_s=round(self.mb_per_s, 3), tokens_per_s=round(self.tokens_per_s))
         d["seconds"] = round(self.seconds, 3)
         return d
+
+    @classmethod
+    def of_tasks(cls, total: Counts, **run) -> PreprocessStats:
+        """The run's stats from the sum of its tasks' and what describes the run (`tasks`, `workers`, ...).
+
+        Example: PreprocessStats.of_tasks(sum(task_stats, TaskStats()), tasks=len(task_stats)).documents -> 869"""
+        bad = {kind: total.bad[kind] for kind in sources.BAD_KINDS if total.bad.get(kind)}  # the summary's order
+        counts = {f.name: getattr(total, f.name) for f in fields(Counts)}
+        return cls(**{**counts, "bad": bad}, **run)
 
 
 @dataclass(frozen=True)
@@ -228,27 +280,24 @@ def _preprocess(
             return finished
         if _already_complete(config, summary_path, fingerprint):
             _remove_stale_parts(parts, fingerprint)  # a run killed after its commit, before its cleanup
-            saved = json.loads(summary_path.read_text())["stats"]
-            stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
+            stats = PreprocessStats.from_dict(json.loads(summary_path.read_text())["stats"])
             stats.already_complete, stats.seconds = True, time.perf_counter() - t0
             return stats
 
     tasks = _prepare_parts(config, parts, files, workers, fingerprint)
     dtype = indexed.best_dtype(tokenizer.vocab_size)
     done = {t.index: _read_done(parts, t.index) for t in tasks}
-    todo = [t for t in tasks if done[t.index] is None]
     job = _Job(config, os.path.abspath(parts), np.dtype(dtype).str)
     if on_progress:
-        resumed_bytes = sum(t.size for t in tasks if done[t.index] is not None)
-        plan = Progress(0, 0, resumed_bytes, sum(t.size for t in tasks), len(tasks) - len(todo), len(tasks))
+        resumed = [t for t in tasks if done[t.index] is not None]
+        plan = Progress(0, 0, sum(t.size for t in resumed), sum(t.size for t in tasks), len(resumed), len(tasks))
         on_progress = _with_plan(on_progress, plan)
-    results = dict((i, r) for i, r in done.items() if r is not None)
     merger = _PartMerger(config, parts, tasks, dtype, executor)
     try:
-        for index in results:
+        for index in (i for i, r in done.items() if r is not None):
             merger.part_done(index)
-        results.update(_run_tasks(job, todo, executor, on_progress, merger))
-        _check_not_empty(results, files)
+        run = _run_tasks(job, tasks, done, executor, on_progress, merger)
+        _check_not_empty(sum(run.results, TaskStats()), files)
         staged = merger.finish()
     except BaseException as e:
         merger.discard()
@@ -257,9 +306,18 @@ def _preprocess(
             raise
         raise reported from e
 
-    stats = _combine(results, tasks, config, tokenizer, workers, dtype)
-    stats.warnings = _input_warnings(found, results, tasks)
-    stats.tasks_resumed, stats.executor = len(tasks) - len(todo), executor.name
+    stats = PreprocessStats.of_tasks(
+        sum(run.results, TaskStats()),  # in task order: first_bad is the input's first bad record
+        tasks=len(tasks),
+        tasks_resumed=run.resumed,
+        workers=workers,
+        executor=executor.name,
+        dtype=np.dtype(dtype).name,
+        tokenizer=tokenizer.name,
+        engine=tokenizer.backend,
+        outputs=config.output_prefixes(),
+        warnings=_input_warnings(found, run.results, tasks),
+    )
     stats.seconds = time.perf_counter() - t0
     summary = {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()}
     _commit(parts, _commit_record(staged, config, summary))
@@ -320,12 +378,11 @@ def _failure(error: BaseException, parts: Path) -> BaseException:
     return error
 
 
-def _check_not_empty(results: dict[int, dict], files: Sequence[Path]) -> None:
+def _check_not_empty(total: TaskStats, files: Sequence[Path]) -> None:
     """An empty dataset is never what was meant: refuse it before anything gets a final name."""
-    if any(r["documents"] for r in results.values()):
+    if total.documents:
         return
-    records = sum(r["records"] for r in results.values())
-    first_bad = next((r["first_bad"] for r in results.values() if r["first_bad"]), None)
+    records, first_bad = total.records, total.first_bad
     shown = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
     if records:
         raise PreprocessError(
@@ -334,11 +391,11 @@ def _check_not_empty(results: dict[int, dict], files: Sequence[Path]) -> None:
     raise PreprocessError(f"no documents: no input holds a record ({shown}: empty); check the input paths")
 
 
-def _input_warnings(found: sources.FoundInputs, results: dict[int, dict], tasks: list) -> list[str]:
+def _input_warnings(found: sources.FoundInputs, results: list[TaskStats], tasks: list) -> list[str]:
     warnings = [f"{again}: given more than once (as {first}); read once" for again, first in found.repeated]
     records: Counter = Counter()
-    for task in tasks:
-        records[task.path] += results[task.index]["records"]
+    for task, result in zip(tasks, results):
+        records[task.path] += result.records
     for path in found.files:
         if not records[os.fspath(path)]:
             warnings.append(f"{path}: no records (an empty input); it adds nothing to the dataset")
@@ -366,8 +423,7 @@ def _remove_debris(parts: Path, summary_path: Path) -> None:
     inside `_remove_parts`, when its outputs were final) and a summary's temporary file (killed writing it)."""
     for doomed in parts.parent.glob(f"{glob.escape(parts.name)}.removing-*"):
         shutil.rmtree(doomed, ignore_errors=True)
-    for tmp in summary_path.parent.glob(f"{glob.escape(summary_path.name)}.*.tmp"):
-        tmp.unlink(missing_ok=True)
+    remove_leftovers(summary_path.parent, f"{glob.escape(summary_path.name)}.*{TMP_SUFFIX}")
 
 
 def _remove_stale_parts(parts: Path, fingerprint: dict) -> None:
@@ -410,8 +466,7 @@ def _commit(parts: Path, record: dict) -> None:
     """Write the record, then give the staged datasets their final names (see above); idempotent."""
     record_path = parts / "commit.json"
     if not record_path.is_file():
-        _write_json_atomic(record_path, record)
-        indexed.fsync_dir(parts)
+        write_json_atomic(record_path, record)
     out_dir = parts.parent
     summary_path = out_dir / f"{parts.name.removesuffix('.parts')}.preprocess.json"
     summary_path.unlink(missing_ok=True)  # while keys are half old, half new, no summary vouches for them
@@ -424,8 +479,7 @@ def _commit(parts: Path, record: dict) -> None:
             os.replace(indexed.bin_path(staged), indexed.bin_path(final))
         os.replace(indexed.idx_path(staged), indexed.idx_path(final))
     indexed.fsync_dir(out_dir)
-    _write_json_atomic(summary_path, record["summary"])
-    indexed.fsync_dir(out_dir)
+    write_json_atomic(summary_path, record["summary"])  # (and fsyncs the directory)
     _remove_parts(parts)
 
 
@@ -438,8 +492,7 @@ def _finish_commit(parts: Path, fingerprint: dict, t0: float) -> PreprocessStats
     if record.get("fingerprint") != fingerprint:
         return None  # another run's: the manifest check refuses it in words
     _commit(parts, record)
-    saved = record["summary"]["stats"]
-    stats = PreprocessStats(**{f.name: saved[f.name] for f in fields(PreprocessStats) if f.name in saved})
+    stats = PreprocessStats.from_dict(record["summary"]["stats"])
     stats.tasks_resumed, stats.seconds = stats.tasks, time.perf_counter() - t0
     return stats
 
@@ -484,8 +537,7 @@ def _prepare_parts(config: PreprocessConfig, parts: Path, files, workers: int, f
             raise PreprocessError(
                 f"{parts}: the unfinished run was made with other {differs}; run without --resume to start over"
             )
-        for leftover in parts.glob("*.tmp"):  # a killed worker's unfinished part
-            leftover.unlink()
+        remove_leftovers(parts)  # a killed worker's unfinished part, or its done marker's temporary file
         return [sources.Task(**t) for t in manifest["tasks"]]
     if parts.exists():
         shutil.rmtree(parts)
@@ -495,26 +547,14 @@ def _prepare_parts(config: PreprocessConfig, parts: Path, files, workers: int, f
     task_bytes = config.task_bytes or int(np.clip(total // (8 * workers), 1 << 20, 64 << 20))
     # The last `workers` tasks are cut smaller, so that no core idles long while another finishes a big last task.
     tasks = sources.plan_tasks(files, task_bytes, taper=workers if not config.task_bytes else 0)
-    _write_json_atomic(manifest_path, {"fingerprint": fingerprint, "tasks": [t.to_dict() for t in tasks]})
+    write_json_atomic(manifest_path, {"fingerprint": fingerprint, "tasks": [t.to_dict() for t in tasks]})
     return tasks
 
 
-def _read_done(parts: Path, index: int) -> dict | None:
+def _read_done(parts: Path, index: int) -> TaskStats | None:
+    """A finished task's stats, from its done marker; None while it has none."""
     path = parts / f"part-{index:05d}.done.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written marker behind
-        raise
+    return TaskStats.from_dict(json.loads(path.read_text())) if path.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -530,29 +570,35 @@ class _Job:
     dtype: str
 
 
-def _run_tasks(job: _Job, todo: list, executor: Executor, on_progress, merger: _PartMerger) -> dict[int, dict]:
-    """Run the missing tasks on `executor`; place each part in the final files once the parts before it are done."""
-    if not todo:
-        return {}
+def _run_tasks(
+    job: _Job, tasks: list, done: dict[int, TaskStats | None], executor: Executor, on_progress, merger: _PartMerger
+) -> TaskRun[TaskStats]:
+    """Run the tasks without a done marker on `executor`; place each part in the final files once the parts before
+    it are done."""
     if executor.remote:  # tasks may run on other machines: name the inputs the same way on every node
-        todo = [replace(t, path=os.path.abspath(t.path)) for t in todo]
-    results: dict[int, dict] = {}
+        tasks = [replace(t, path=os.path.abspath(t.path)) for t in tasks]
+
+    def task_done(task, result: TaskStats) -> None:
+        merger.part_done(task.index)  # parts are copied into place while the workers tokenize
+        if on_progress:
+            on_progress(_task_finished(result, streamed=executor.streams_progress))
+
+    def finished(task) -> TaskStats | None:
+        return done[task.index]
+
     try:
-        for task, result in executor.run(partial(_run_task, job), todo, on_progress):
-            results[task.index] = result
-            merger.part_done(task.index)  # parts are copied into place while the workers tokenize
-            if on_progress:
-                on_progress(_task_finished(result, streamed=executor.streams_progress))
+        return run_tasks(
+            partial(_run_task, job), tasks, executor, finished=finished, progress=on_progress, on_result=task_done
+        )
     finally:
         _wait_for_syncs()  # an in-process run's fsyncs, before the parts directory can be removed
-    return results
 
 
-def _task_finished(result: dict, streamed: bool) -> Progress:
+def _task_finished(result: TaskStats, streamed: bool) -> Progress:
     """The progress event for a finished task: one more shard, and its counts unless its worker streamed them."""
     if streamed:
         return Progress(0, 0, 0, tasks=1)
-    return Progress(result["documents"], result["tokens"], result.get("file_bytes", 0), tasks=1)
+    return Progress(result.documents, result.tokens, result.file_bytes, tasks=1)
 
 
 _tokenizer_cache: dict = {}
@@ -592,10 +638,10 @@ def _with_plan(on_progress: Callable[[Progress], None], plan: Progress) -> Calla
     return forward
 
 
-def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
+def _run_task(job: _Job, task, ctx: TaskContext) -> TaskStats:
     """Tokenize one task into its part files, then write its done marker; returns the task's statistics.
 
-    Example (what an executor calls): _run_task(job, tasks[0], TaskContext(report=print)) -> {"documents": 812, ...}
+    Example (what an executor calls): _run_task(job, tasks[0], TaskContext(report=print)).documents -> 812
     """
     cfg, on_progress = job.config, ctx.report
     tokenizer = _tokenizer(cfg, threads=ctx.threads > 1)
@@ -604,8 +650,7 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
         raise PreprocessError(f"tokenizer {tokenizer.name} has no end-of-document token; pass --no-append-eod")
     prefix = Path(job.parts) / f"part-{task.index:05d}"
     writers = [indexed.IndexedDatasetWriter(f"{prefix}_{k}_document", job.dtype) for k in cfg.json_keys]
-    stats = {"documents": 0, "tokens": 0, "input_bytes": 0, "records": 0, "bad": Counter(), "first_bad": None}
-    stats["file_bytes"] = 0  # progress units, for executors whose workers cannot stream progress
+    stats = TaskStats()
     try:
         for batch in sources.read_task(task, cfg.json_keys, cfg.on_bad_line, cfg.keep_empty):
             tokens = 0
@@ -620,13 +665,8 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
                     writer.add_documents(flat, lengths)
                 tokens += len(flat)
             docs = len(batch.texts[0]) if batch.texts else 0
-            stats["documents"] += docs
-            stats["tokens"] += tokens
-            stats["input_bytes"] += batch.input_bytes
-            stats["records"] += batch.records
-            stats["file_bytes"] += batch.file_bytes
-            stats["bad"].update(batch.bad)
-            stats["first_bad"] = stats["first_bad"] or batch.first_bad
+            read = dict(input_bytes=batch.input_bytes, records=batch.records, file_bytes=batch.file_bytes)
+            stats += TaskStats(docs, tokens, bad=dict(batch.bad), first_bad=batch.first_bad, **read)
             if on_progress:
                 on_progress(Progress(docs, tokens, batch.file_bytes))
         for writer in writers:
@@ -635,7 +675,6 @@ def _run_task(job: _Job, task, ctx: TaskContext) -> dict:
         for writer in writers:
             writer.discard()
         raise
-    stats["bad"] = dict(stats["bad"])
     # The done marker promises a durable part, so it follows the fsyncs; those run on a thread while this
     # process tokenizes its next task (an fsync here left the core idle for a sixth of the run). The thread
     # outlives the task: local pools join it when their workers exit; Ray workers may not (see _remove_parts).
@@ -681,10 +720,10 @@ def _wait_for_syncs() -> None:
         _sync_pool = None
 
 
-def _sync_and_mark(prefixes: list[str], marker: Path, stats: dict) -> None:
+def _sync_and_mark(prefixes: list[str], marker: Path, stats: TaskStats) -> None:
     for prefix in prefixes:
         indexed.sync(prefix)
-    _write_json_atomic(marker, stats)
+    write_json_atomic(marker, asdict(stats))
 
 
 def _add_segmented(writer: indexed.IndexedDatasetWriter, flat: np.ndarray, lengths: np.ndarray, counts) -> None:
@@ -719,24 +758,7 @@ def append_eod(flat: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.ndar
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# finishing
-
-
-def _combine(results: dict[int, dict], tasks, config, tokenizer, workers, dtype) -> PreprocessStats:
-    stats = PreprocessStats(tasks=len(tasks), workers=workers, dtype=np.dtype(dtype).name)
-    bad: Counter = Counter()
-    for task in tasks:  # in task order, so first_bad is the first bad record of the input
-        r = results[task.index]
-        stats.documents += r["documents"]
-        stats.tokens += r["tokens"]
-        stats.input_bytes += r["input_bytes"]
-        stats.records += r["records"]
-        bad.update(r["bad"])
-        stats.first_bad = stats.first_bad or r["first_bad"]
-    stats.bad = {k: bad[k] for k in sources.BAD_KINDS if bad[k]}
-    stats.tokenizer, stats.engine = tokenizer.name, tokenizer.backend
-    stats.outputs = config.output_prefixes()
-    return stats
+# placing finished parts in the final files
 
 
 class _PartMerger:
