@@ -357,9 +357,10 @@ def test_train_refuses_before_compute(bases, tmp_path, name):
     base, corrupt, message = FAULTS[name]
     prefix = copy_base(bases, base, tmp_path / "data")
     corrupt(prefix)
-    tiny = 'vocab_size=100277 seq_length=8 micro_batch_size=2 global_batch_tokens=16 device="cpu" compile=false'
-    tiny += ' num_workers=0 max_steps=2 n_layer=1 n_head=2 n_embd=16 model="custom" tensorboard=false'
-    overrides = [f'data_path="{prefix}"', f'out_dir="{tmp_path / "run"}"', *tiny.split()]
+    tiny = "model.vocab_size=100277 model.seq_length=8 schedule.micro_batch_size=2 schedule.global_batch_tokens=16"
+    tiny += ' device="cpu" compile=false data.num_workers=0 schedule.max_steps=2 model.n_layer=1 model.n_head=2'
+    tiny += ' model.n_embd=16 model.name="custom" metrics.tensorboard=false'
+    overrides = [f'data.path="{prefix}"', f'out_dir="{tmp_path / "run"}"', *tiny.split()]
     result = CliRunner().invoke(main, ["train", *overrides])
     assert_one_line_refusal(result, prefix, message)
     assert files_under(tmp_path / "run") == []

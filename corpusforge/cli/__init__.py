@@ -10,18 +10,65 @@ skip`), so scripts notice that data was left out; 130 interrupted (Ctrl-C). benc
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, MutableMapping
+
 import click
 
 from corpusforge import __version__
 from corpusforge.cli import _report
-from corpusforge.cli.bench_io import bench_io_cmd
-from corpusforge.cli.datasets import convert_cmd, inspect_cmd, merge_cmd
-from corpusforge.cli.export_hf import export_hf_cmd
-from corpusforge.cli.megatron_preprocess import megatron_preprocess_cmd
-from corpusforge.cli.preprocess import preprocess_cmd
-from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd
-from corpusforge.cli.tokenizer import train_tokenizer_cmd
-from corpusforge.cli.train import train_cmd
+
+# Where each command lives: a command's module is imported when the command is asked for, so `corpusforge
+# preprocess` starts without build-knn's numba and faiss helpers or the trainer's torch (its options are made from
+# its config dataclass at import, and build-knn's BuildConfig sits beside them: ~1 s of start-up).
+COMMANDS = {
+    "preprocess": "corpusforge.cli.preprocess:preprocess_cmd",
+    "megatron-preprocess": "corpusforge.cli.megatron_preprocess:megatron_preprocess_cmd",
+    "merge": "corpusforge.cli.datasets:merge_cmd",
+    "inspect": "corpusforge.cli.datasets:inspect_cmd",
+    "convert": "corpusforge.cli.datasets:convert_cmd",
+    "train-tokenizer": "corpusforge.cli.tokenizer:train_tokenizer_cmd",
+    "build-knn": "corpusforge.cli.retro:build_knn_cmd",
+    "query-knn": "corpusforge.cli.retro:query_knn_cmd",
+    "bench-io": "corpusforge.cli.bench_io:bench_io_cmd",
+    "train": "corpusforge.cli.train:train_cmd",
+    "export-hf": "corpusforge.cli.export_hf:export_hf_cmd",
+}
+
+
+class LazyCommands(MutableMapping):
+    """The group's name -> command table, each command imported on first use (click's Group reads it as a dict).
+
+    Example:
+        >>> LazyCommands({"merge": "corpusforge.cli.datasets:merge_cmd"})["merge"].name
+        'merge'
+    """
+
+    def __init__(self, where: dict[str, str]) -> None:
+        self._where, self._loaded = dict(where), {}
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            module, _, attr = self._where[name].partition(":")  # KeyError: no such command
+            command = getattr(importlib.import_module(module), attr)
+            if not isinstance(command, _report.Command):  # the group insists on the one error handler
+                raise TypeError(f"{name}: declare it with @click.command(..., cls=_report.Command)")
+            self._loaded[name] = command
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self._loaded[name] = command
+        self._where.setdefault(name, "")
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name]
+        self._loaded.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 @click.group(cls=_report.Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -30,18 +77,4 @@ def main() -> None:
     """corpusforge: Megatron-format token datasets, fast, resumable, and honest about bad input."""
 
 
-COMMANDS = (
-    preprocess_cmd,
-    megatron_preprocess_cmd,
-    merge_cmd,
-    inspect_cmd,
-    convert_cmd,
-    train_tokenizer_cmd,
-    build_knn_cmd,
-    query_knn_cmd,
-    bench_io_cmd,
-    train_cmd,
-    export_hf_cmd,
-)
-for command in COMMANDS:
-    main.add_command(command)
+main.commands = LazyCommands(COMMANDS)
