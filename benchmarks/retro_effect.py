@@ -123,7 +123,7 @@ def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid:
         b = to_model(next(it))
         t1 = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)  # RETRO's encoder group: a fraction
         loss = loss_fn(logits(model, b, retro), b["labels"], b["loss_mask"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
@@ -208,6 +208,7 @@ def main() -> None:
             "chunk_length": rc.chunk_length,
             "K": rc.num_neighbours,
             "seq_length": cfg.model.seq_length,
+            "encoder_lr_scale": rc.encoder_lr_scale,  # and a LayerNorm on the encoder's input (retro_model.Encoder)
         },  # fmt: skip
         "tokens_trained": args.steps * cfg.schedule.micro_batch_size * cfg.model.seq_length,
         "val_loss": {"gpt": final_gpt, "retro": final["val_loss"], "retro_random_neighbours": final["val_loss_random"]},

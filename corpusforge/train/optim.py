@@ -12,12 +12,25 @@ from corpusforge.train.config import TrainConfig
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on 2-D parameters (matmul weights, embeddings) and none on biases and LayerNorm
     gains (nanoGPT configure_optimizers; decaying them only hurts). Fused kernel on GPU: one launch per step."""
-    params = [p for p in model.parameters() if p.requires_grad]  # the tied matrix appears once
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the tied matrix appears once
     o = cfg.optimizer
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    # A model may train parts at a fraction of the rate (RetroModel.lr_scales: {"encoder.": 0.1}); each group
+    # carries its "lr_scale", which the schedule multiplies (trainer.train_step).
+    scales = model.lr_scales() if hasattr(model, "lr_scales") else {}
+
+    def scale(name: str) -> float:
+        return next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
+
+    groups = []
+    for s in sorted({scale(n) for n, _ in named} | {1.0}, reverse=True):
+        part = [p for n, p in named if scale(n) == s]
+        if s != 1.0 and not part:
+            continue
+        extra = {"lr_scale": s} if scales else {}
+        groups += [
+            {"params": [p for p in part if p.dim() >= 2], "weight_decay": o.weight_decay, **extra},
+            {"params": [p for p in part if p.dim() < 2], "weight_decay": 0.0, **extra},
+        ]
     fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
 

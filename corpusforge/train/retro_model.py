@@ -18,9 +18,13 @@ Details follow Megatron-Core's RETRO (megatron/core/models/retro/, removed in Me
 RETRO layers at 1-based layers 6, 9, 12, ... for 15 layers or fewer, else 9, 12, 15, ... (decoder_spec.py,
 `retro_layer_start = 6 if num_layers <= 15 else 9`); only the first encoder layer cross-attends (encoder_spec.py);
 the encoder is built inside the first RETRO layer and its output is reused by the later ones (decoder_attention.py);
-neighbours share the decoder's embedding module, positions included (model.py). Two choices differ: a missing
+neighbours share the decoder's embedding module, positions included (model.py). Four choices differ: a missing
 neighbour (-1 in the neighbours file) is masked wherever it would be read (Megatron has no mask: a -1 read as a
-chunk id), and the encoder ends with a LayerNorm (Megatron's encoder block had none: post_process=False).
+chunk id); the encoder ends with a LayerNorm (Megatron's encoder block had none: post_process=False); it starts with
+one on the embedded neighbours; and it trains at a tenth of the decoder's learning rate (encoder_lr_scale). Without
+the last two, a small model trained from scratch never learnt to use its neighbours: the encoder's output collapsed
+to one vector whatever the neighbour within ~50 steps, and the loss with real neighbours equalled the loss with
+random ones (benchmarks/retro_effect.py, 2026-11-25; the copy test in tests/train/test_retro_model.py).
 
 Missing neighbours: `neighbour_mask` (B, L, K, R) says which neighbour tokens are real (False for a -1 neighbour and
 for the padding after a document's end). Masked tokens are never keys of any attention, so their ids cannot change
@@ -107,6 +111,13 @@ class RetroConfig:
     encoder_n_head: int | None = None
     """Encoder heads; None: the decoder's head size at the encoder's width."""
 
+    encoder_lr_scale: float = 0.1
+    """The encoder's learning rate as a fraction of the decoder's (RetroModel.lr_scales; the optimizer keeps one
+    group per scale). At the start the CCA attends uniformly, so the only gradient the encoder gets is the same for
+    every neighbour token; at the decoder's rate its weights follow that signal and its output stopped depending on
+    the neighbour (tests/train/test_retro_model.py, the copy test) before the CCA learnt where to look. 1.0: one
+    rate for all."""
+
     cca_layers: tuple[int, ...] | None = None
     """0-based decoder layers with chunked cross-attention; None: Megatron's rule (retro_layer_numbers)."""
 
@@ -157,6 +168,8 @@ class RetroConfig:
             problems.append(f"block_size {self.block_size} is shorter than a neighbour ({self.retrieved_length})")
         if self.encoder_layers < 1 or self.num_neighbours < 1 or self.retrieved_chunks < 1:
             problems.append("encoder_layers, num_neighbours and retrieved_chunks must be >= 1")
+        if not 0.0 < self.encoder_lr_scale <= 1.0:
+            problems.append(f"encoder_lr_scale {self.encoder_lr_scale} must be in (0, 1]")
         if problems:
             raise ConfigError("RETRO model: " + "; ".join(problems))
         layers = self.cca_layer_indices  # raises for a decoder too shallow for Megatron's rule
@@ -250,8 +263,12 @@ class Encoder(nn.Module):
     def __init__(self, cfg: RetroConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        # Neighbours are embedded by the decoder's table (width C); a narrower encoder reads them through a
-        # projection (the paper's 896-wide encoder under wider decoders).
+        # Neighbours are embedded by the decoder's table (width C), whose entries are N(0, 0.02): normalised first,
+        # so that the token identities the CCA must tell apart start at unit scale in the encoder's residual stream
+        # (at 0.02 the first few updates of the encoder's biases and weights, the same for every token, outweighed
+        # them; the encoder's output became one vector whatever the neighbour). A narrower encoder reads them through
+        # a projection (the paper's 896-wide encoder under wider decoders).
+        self.ln_in = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.proj_in = nn.Linear(cfg.n_embd, cfg.enc_embd, bias=False) if cfg.enc_embd != cfg.n_embd else None
         self.h = nn.ModuleDict({str(i): EncoderLayer(cfg, cross=i == 0) for i in range(cfg.encoder_layers)})
         self.ln_f = nn.LayerNorm(cfg.enc_embd, bias=cfg.bias)
@@ -259,7 +276,8 @@ class Encoder(nn.Module):
     def forward(self, emb: torch.Tensor, mask: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         """emb (B*L, K*R, C) embedded neighbours, mask (B*L, K*R) real tokens, chunks (B*L, m, C) -> (B*L, K*R, Ce)."""
         R = self.cfg.retrieved_length
-        x = emb if self.proj_in is None else self.proj_in(emb)  # (B*L, K*R, Ce)
+        x = self.ln_in(emb)
+        x = x if self.proj_in is None else self.proj_in(x)  # (B*L, K*R, Ce)
         self_mask = mask.reshape(-1, R)  # (N, R)
         # A missing neighbour has no real token to attend to; let it attend to all of its (pad) tokens so that
         # its softmax stays finite. Nothing reads its outputs: they are masked keys of the CCA.
@@ -408,6 +426,16 @@ class RetroModel(nn.Module):
         emb = self.transformer.wte(ids) + self.transformer.wpe(pos)  # (B, L, K, R, C): the decoder's embedding
         emb = self.transformer.drop(emb).view(B * L, K * R, cfg.n_embd)
         return Retrieval(self.encoder, emb, mask.reshape(B * L, K * R), cfg.chunk_length)
+
+    def lr_scales(self) -> dict[str, float]:
+        """Learning-rate multipliers by parameter-name prefix, for corpusforge.train.optim.make_optimizer: the
+        encoder trains at encoder_lr_scale of the decoder's rate (see RetroConfig.encoder_lr_scale).
+
+        Example:
+            >>> RetroModel(retro_preset("retro-tiny-cpu", 1000, 256)).lr_scales()
+            {'encoder.': 0.1}
+        """
+        return {"encoder.": self.cfg.encoder_lr_scale}
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameters (the tied matrix once); without the position embedding when embeddings=False (model.GPT)."""

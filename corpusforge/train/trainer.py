@@ -178,12 +178,31 @@ def memory_estimate(g: GPTConfig | LlamaConfig, n_params: int, cfg: TrainConfig,
     # selective: the pointwise outputs recomputed, ~40% less (torchtitan's op-level SAC); full: the block input only
     sp = layout.tp if cfg.parallel.sequence_parallel else 1
     activations = per_token_layer[cfg.parallel.activation_checkpoint] * t * b * c * layers * in_flight / sp
+    if isinstance(g, RetroConfig):  # data parallel only, no checkpointing (check_retro_layout)
+        activations += retro_activation_bytes(g, t, b, half)
     logits = b * t * g.padded_vocab * ((2 if half else 4) + 8) / layout.tp if has_head else 0
     out = {"params_gb": weights, "grads_gb": weights, "optimizer_gb": 2 * weights, "activations_gb": activations,
            "logits_gb": logits}  # fmt: skip
     out = {k: v / 1e9 for k, v in out.items()}
     out["total_gb"] = sum(out.values())
     return out
+
+
+def retro_activation_bytes(g: RetroConfig, t: int, b: int, half: bool) -> float:
+    """What a RETRO model keeps for backward beyond its decoder's layers, with memory_estimate's per-token rates: the
+    encoder's layers over the K*R/m neighbour tokens of each decoder token (34 B per token and width a layer, as a
+    decoder layer; its first layer's cross-attention ~11 more), the embedded neighbours (2), and at each CCA layer
+    an attention block's query side (11 per decoder token) and its keys and values over the neighbour tokens (4).
+    Doubled in fp32.
+
+    Example:
+        >>> retro_activation_bytes(retro_model.retro_preset("retro-172m", 50257, 2048), t=2048, b=1, half=True) / 2**20
+        708.75
+    """
+    nb = t * b * g.num_neighbours * g.retrieved_length / g.chunk_length  # neighbour tokens in a micro-batch
+    encoder = (34 * g.encoder_layers + 11) * nb * g.enc_embd + 2 * nb * g.n_embd
+    cca = len(g.cca_layer_indices) * (11 * t * b * g.n_embd + 4 * nb * g.n_embd)
+    return (encoder + cca) * (1 if half else 2)
 
 
 @dataclass
@@ -461,7 +480,7 @@ def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torc
     """One optimizer step over grad_accum micro-batches: (mean loss, grad norm, seconds waited for data)."""
     lr = lr_at(step, plan.cfg)
     for group in plan.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # RETRO's encoder: a fraction (optim.make_optimizer)
     loss_sum = torch.zeros((), device=plan.rt.device)
     waited = 0.0
     for micro in range(plan.grad_accum):
