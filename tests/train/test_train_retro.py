@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import trainkit
 
 from corpusforge.errors import CorpusforgeError
@@ -211,3 +212,39 @@ def test_layouts_retro_does_not_run_are_refused_in_one_line(db, tmp_path, parall
     with pytest.raises(CorpusforgeError, match=words) as e:
         train(cfg, dry_run=True, world_size=2, log=lambda line: None)
     assert "\n" not in str(e.value)
+
+
+def test_dry_run_memory_counts_the_encoder_and_the_cca(db, tmp_path):
+    """The --dry-run estimate of a RETRO run holds its encoder's activations over the K*R/m neighbour tokens of each
+    decoder token and its CCA layers' (trainer.retro_activation_bytes): more than the same decoder as a GPT, and
+    growing with K at a fixed decoder."""
+    from corpusforge.train import parallel as par
+    from corpusforge.train.trainer import gpt_config, memory_estimate, retro_activation_bytes
+
+    def estimate(k: int) -> tuple[dict, dict, float]:
+        cfg = load_config(CONFIG, overrides(db, tmp_path, **{"retro.num_neighbours": k}))
+        g = retro_config(cfg)
+        layout = par.resolve_layout(cfg, 1, g)
+        retro = memory_estimate(g, 1000, cfg, layout, torch.float32)
+        gpt = memory_estimate(gpt_config(cfg), 1000, cfg, layout, torch.float32)
+        return retro, gpt, retro_activation_bytes(g, cfg.model.seq_length, cfg.schedule.micro_batch_size, False)
+
+    retro, gpt, extra = estimate(2)
+    assert extra > 0 and retro["activations_gb"] == pytest.approx(gpt["activations_gb"] + extra / 1e9)
+    assert estimate(1)[2] < extra
+    summary = train(load_config(CONFIG, overrides(db, tmp_path)), dry_run=True, log=lambda line: None)
+    assert summary["memory_estimate"]["activations_gb"] == round(retro["activations_gb"], 3)
+
+
+@pytest.mark.slow
+def test_compile_true_trains_as_eager_on_cpu(db, tmp_path):
+    """compile = true with a RETRO model (torch.compile of the model in place, inductor on CPU): the same losses as
+    eager to float32 rounding, step for step."""
+    eager = tmp_path / "eager"
+    compiled = tmp_path / "compiled"
+    run(db, eager, max_steps=3, eval_interval=3)
+    run(db, compiled, max_steps=3, eval_interval=3, compile="true")
+    for kind, key in (("train", "loss"), ("valid", "val_loss"), ("valid", "val_loss_random")):
+        a, b = series(eager, kind, key), series(compiled, kind, key)
+        assert sorted(a) == sorted(b) and a
+        assert all(b[s] == pytest.approx(a[s], rel=1e-4, abs=1e-4) for s in a), (kind, key, a, b)
