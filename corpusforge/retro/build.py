@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from corpusforge.executors import make_executor
+from corpusforge.executors import Executor, make_executor
+from corpusforge.indexed import IndexedDataset
 from corpusforge.retro import chunks as chunks_mod
 from corpusforge.retro import index as index_mod
 from corpusforge.retro import neighbours as nb_mod
@@ -30,9 +32,17 @@ from corpusforge.retro.common import (
     import_faiss,
     open_dataset,
     parse_bytes,
-    write_json_atomic,
+    write_json,
 )
-from corpusforge.retro.embed import EmbeddingStore, EmbedJob, embed_chunks, fit_embedder, load_embedder, load_fitted
+from corpusforge.retro.embed import (
+    Embedder,
+    EmbeddingStore,
+    EmbedJob,
+    embed_chunks,
+    fit_embedder,
+    load_embedder,
+    load_fitted,
+)
 from corpusforge.retro.fastscan import is_fast_scan
 from corpusforge.retro.gpu import gpus_for
 from corpusforge.retro.hashed import HashedNgramEmbedder
@@ -185,71 +195,92 @@ def build_knn(config: BuildConfig, dry_run: bool = False, resume: bool = False, 
     # the index is planned now, not after hours of embedding: a budget it cannot meet fails before any work
     check_plan = partial(_plan, config, chunks_mod.count_chunks(ds, config.chunk_length), embedder.dim, budget)
     manifest = _open_manifest(out, ident, resume, config, tok_spec, check_plan)
-
-    def finish(stage: str, stats: dict) -> None:
-        manifest["stages"][stage] = stats
-        write_json_atomic(out / MANIFEST, manifest)
-
     stages = {"chunks", "embeddings", "index", "recall"} | ({"neighbours"} if config.neighbours else set())
     if not stages <= set(manifest["stages"]):  # (a Ray executor connects on entry: only when there is work)
         with make_executor(
             config.executor, config.workers, config.ray_address, keep_workers=config.ray_keep_workers
         ) as executor:
             try:
-                _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, executor, progress)
+                _run_stages(BuildContext(config, manifest, ds, query_ds, embedder, budget, executor, progress))
             finally:
                 index_mod.shared_index.cache_clear()  # the driver's copy, which forked workers shared
     return BuildResult(str(out), manifest["plan"], manifest["stages"], manifest["stages"]["recall"])
 
 
-def _run_stages(config, manifest, finish, ds, query_ds, embedder, budget, executor, progress) -> None:
-    """Every unfinished stage in order; all but recall run as tasks on `executor`."""
-    out = Path(config.output)
-    _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress)
-    embedder = load_fitted(embedder, out / "embeddings")
+@dataclass
+class BuildContext:
+    """One build under way: what its stages read (configuration, datasets, embedder, executor, progress) and the
+    manifest each finished stage records itself in (`finish`), which is how a resumed build skips it.
+
+    Example: ctx.done("chunks") or ctx.finish("chunks", build_chunks(ctx.ds, ctx.out / "chunks", 64))"""
+
+    config: BuildConfig
+    manifest: dict
+    ds: IndexedDataset
+    query_ds: IndexedDataset | None
+    embedder: Embedder
+    """The database's embedder; fitted (its projection read back) once the embeddings stage has run."""
+    budget: int
+    """--max-index-memory in bytes."""
+    executor: Executor
+    progress: Callable | None = None
+    """build_knn's `progress(stage, total) -> advance(n)`."""
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.output)
+
+    def done(self, stage: str) -> bool:
+        return stage in self.manifest["stages"]
+
+    def finish(self, stage: str, stats: dict) -> None:
+        """Record `stage` as finished with its statistics (its files are all written by then)."""
+        self.manifest["stages"][stage] = stats
+        self.save()
+
+    def save(self) -> None:
+        write_json(self.out / MANIFEST, self.manifest)
+
+    def advance(self, stage: str, total: int | None) -> Callable[[int], None] | None:
+        """The progress callback of `stage` (None without progress)."""
+        return self.progress(stage, total) if self.progress else None
+
+
+def _run_stages(ctx: BuildContext) -> None:
+    """Every unfinished stage in order; all but recall run as tasks on `ctx.executor`."""
+    config, out = ctx.config, ctx.out
+    _chunk_and_embed(ctx)
+    ctx.embedder = load_fitted(ctx.embedder, out / "embeddings")
     table = chunks_mod.ChunkTable.load(out / "chunks")
-    store = EmbeddingStore(out / "embeddings", len(table), embedder.dim, config.shard_size)
-    if "index" not in manifest["stages"]:
-        if "plan" in manifest and (out / "index" / "trained.faiss").exists():
-            # the index is trained to this plan: planning again on a machine with other RAM, or after the
-            # planner's rules changed, could name another index than the one the add tasks fill
-            plan = index_mod.IndexPlan(**manifest["plan"])
-        else:
-            plan = _plan(config, len(table), embedder.dim, budget)
-            manifest["plan"] = plan.to_dict()
-            write_json_atomic(out / MANIFEST, manifest)
-        on_disk = config.index_on_disk
-        if on_disk is None:  # fast-scan lists have no on-disk form: such an index stays in RAM (see plan_index)
-            on_disk = not index_mod.fits_in_ram(plan.ram_bytes) and not is_fast_scan(plan.key)
-        gpus = gpus_for(import_faiss(), config.gpu) if plan.nlist else 0
-        build = partial(index_mod.build_index, executor=executor, on_disk=on_disk and plan.nlist > 0, gpus=gpus)
-        finish("index", build(plan, store, out / "index", config.seed, progress and progress("index", plan.n)))
-    plan = index_mod.IndexPlan(**manifest["plan"])
+    store = EmbeddingStore(out / "embeddings", len(table), ctx.embedder.dim, config.shard_size)
+    if not ctx.done("index"):
+        ctx.finish("index", _index_stage(ctx, store, len(table)))
+    plan = index_mod.IndexPlan(**ctx.manifest["plan"])
     path = out / "index" / "index.faiss"
     # the driver's index is the one the tasks share (forked workers inherit it): see index.shared_index
     index = index_mod.shared_index(str(path.resolve()), path.stat().st_mtime_ns)
     index_mod.set_search_params(index, plan.search_params)
-    if "recall" not in manifest["stages"]:
-        recall = _tune_recall(config, plan, index, store, table, progress and progress("recall", None))
-        manifest["search_params"], manifest["candidates"] = recall["search_params"], recall["candidates"]
-        finish("recall", recall)
-    if config.neighbours and "neighbours" not in manifest["stages"]:
-        finish("neighbours", _neighbours_stage(config, manifest, store, table, query_ds, embedder, executor, progress))
+    if not ctx.done("recall"):
+        recall = _tune_recall(config, plan, index, store, table, ctx.advance("recall", None))
+        ctx.manifest["search_params"], ctx.manifest["candidates"] = recall["search_params"], recall["candidates"]
+        ctx.finish("recall", recall)
+    if config.neighbours and not ctx.done("neighbours"):
+        ctx.finish("neighbours", _neighbours_stage(ctx, store, table))
 
 
-def _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor, progress) -> None:
-    """The two stages that split into shard tasks on `executor` (document ranges, embedding shards)."""
-    out = Path(config.output)
-    if "chunks" not in manifest["stages"]:
-        chunk = partial(chunks_mod.build_chunks, per_task=config.shard_size, executor=executor)
-        total = chunks_mod.count_chunks(ds, config.chunk_length)
-        stats = chunk(ds, out / "chunks", config.chunk_length, progress=progress and progress("chunks", total))
-        if query_ds is not None:
-            stats["query"] = chunk(query_ds, out / "query_chunks", config.chunk_length)
-        finish("chunks", stats)
-    if "embeddings" not in manifest["stages"]:
+def _chunk_and_embed(ctx: BuildContext) -> None:
+    """The two stages that split into shard tasks on `ctx.executor` (document ranges, embedding shards)."""
+    config, out = ctx.config, ctx.out
+    if not ctx.done("chunks"):
+        chunk = partial(chunks_mod.build_chunks, per_task=config.shard_size, executor=ctx.executor)
+        total = chunks_mod.count_chunks(ctx.ds, config.chunk_length)
+        stats = chunk(ctx.ds, out / "chunks", config.chunk_length, progress=ctx.advance("chunks", total))
+        if ctx.query_ds is not None:
+            stats["query"] = chunk(ctx.query_ds, out / "query_chunks", config.chunk_length)
+        ctx.finish("chunks", stats)
+    if not ctx.done("embeddings"):
         table = chunks_mod.ChunkTable.load(out / "chunks")
-        embedder, fit_stats = fit_embedder(embedder, table, ds.tokens, out / "embeddings", config.chunk_length)
+        embedder, fit_stats = fit_embedder(ctx.embedder, table, ctx.ds.tokens, out / "embeddings", config.chunk_length)
         job = EmbedJob(
             os.path.abspath(config.prefix),
             os.path.abspath(out / "chunks"),
@@ -258,8 +289,27 @@ def _chunk_and_embed(config, manifest, finish, ds, query_ds, embedder, executor,
             config.shard_size,
             config.chunk_length,
         )
-        stats = embed_chunks(job, len(table), executor, progress and progress("embedding", len(table)))
-        finish("embeddings", {**stats, **fit_stats})
+        stats = embed_chunks(job, len(table), ctx.executor, ctx.advance("embedding", len(table)))
+        ctx.finish("embeddings", {**stats, **fit_stats})
+
+
+def _index_stage(ctx: BuildContext, store: EmbeddingStore, n: int) -> dict:
+    """Plan (or, once trained, keep the plan of) the index, then train and fill it."""
+    config, out = ctx.config, ctx.out
+    if "plan" in ctx.manifest and (out / "index" / "trained.faiss").exists():
+        # the index is trained to this plan: planning again on a machine with other RAM, or after the
+        # planner's rules changed, could name another index than the one the add tasks fill
+        plan = index_mod.IndexPlan(**ctx.manifest["plan"])
+    else:
+        plan = _plan(config, n, ctx.embedder.dim, ctx.budget)
+        ctx.manifest["plan"] = plan.to_dict()
+        ctx.save()
+    on_disk = config.index_on_disk
+    if on_disk is None:  # fast-scan lists have no on-disk form: such an index stays in RAM (see plan_index)
+        on_disk = not index_mod.fits_in_ram(plan.ram_bytes) and not is_fast_scan(plan.key)
+    gpus = gpus_for(import_faiss(), config.gpu) if plan.nlist else 0
+    build = partial(index_mod.build_index, executor=ctx.executor, on_disk=on_disk and plan.nlist > 0, gpus=gpus)
+    return build(plan, store, out / "index", config.seed, ctx.advance("index", plan.n))
 
 
 # The first stage each part of the identity shapes: it may change on resume until that stage has begun.
@@ -321,12 +371,12 @@ def _open_manifest(out: Path, ident: dict, resume: bool, config: BuildConfig, to
             check_plan()
         if changed:  # every change is to a stage not begun: resume under the new options
             manifest["identity"], manifest["config"] = ident, asdict(config)
-            write_json_atomic(path, manifest)
+            write_json(path, manifest)
         return manifest
     check_plan()
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"version": 1, "identity": ident, "config": asdict(config), "tokenizer": tok_spec, "stages": {}}
-    write_json_atomic(path, manifest)
+    write_json(path, manifest)
     return manifest
 
 
@@ -418,11 +468,12 @@ def _recall_without_rerank(index, db_doc, queries, qdoc, k, exact, scores) -> fl
     return nb_mod.recall_at(approx, exact, scores)
 
 
-def _neighbours_stage(config, manifest, store, table, query_ds, embedder, executor, progress) -> dict:
-    out = Path(config.output).resolve()
+def _neighbours_stage(ctx: BuildContext, store: EmbeddingStore, table: chunks_mod.ChunkTable) -> dict:
+    config, manifest, embedder, executor = ctx.config, ctx.manifest, ctx.embedder, ctx.executor
+    out = ctx.out.resolve()
     queries = None
     n = len(table)
-    if query_ds is not None:  # another dataset's chunks, embedded inside the tasks
+    if ctx.query_ds is not None:  # another dataset's chunks, embedded inside the tasks
         qtable = chunks_mod.ChunkTable.load(out / "query_chunks")
         queries = nb_mod.QueryChunks(
             os.path.abspath(config.query_prefix), str(out / "query_chunks"), embedder, config.chunk_length
@@ -444,7 +495,7 @@ def _neighbours_stage(config, manifest, store, table, query_ds, embedder, execut
     )
     block = min(config.shard_size, 65536)
     return nb_mod.build_neighbours(
-        job, n, out / "neighbours.bin", block, executor, progress=progress and progress("neighbours", n)
+        job, n, out / "neighbours.bin", block, executor, progress=ctx.advance("neighbours", n)
     )
 
 

@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed
-from corpusforge.retro.common import kill_point, load_npy, save_npy_atomic
+from corpusforge.fsutil import fsync_dir, fsync_path, save_npy_atomic
+from corpusforge.retro.common import load_npy
+from corpusforge.stages import run_tasks
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def chunk_range(job: ChunkJob, task: tuple[int, int, int, int], ctx=None) -> int
     Example (what an executor calls): chunk_range(job, (0, 0, 5000, 0), None) -> 81342"""
     from corpusforge.retro.common import open_dataset
 
-    i, lo, hi, first = task
+    _i, lo, hi, first = task
     table = chunk_documents(*document_bounds(open_dataset(job.prefix), lo, hi), job.chunk_length)
     for name in NAMES:
         out = np.load(_tmp(Path(job.directory), name), mmap_mode="r+", allow_pickle=False)
@@ -114,7 +116,6 @@ def chunk_range(job: ChunkJob, task: tuple[int, int, int, int], ctx=None) -> int
         del out
     if ctx is not None and ctx.report:
         ctx.report(len(table))
-    kill_point("chunks", i)
     return len(table)
 
 
@@ -153,9 +154,6 @@ def build_chunks(
 ) -> dict:
     """The chunks stage: tasks on `executor` (default: this process) fill `directory/*.npy.tmp`, then each file is
     fsynced and renamed; returns its statistics. A killed stage is redone whole (it runs at memory speed)."""
-    from corpusforge.executors import LocalExecutor
-    from corpusforge.retro.common import fsync_dir
-
     if not 1 <= chunk_length <= np.iinfo(np.int16).max:
         raise ValueError(f"chunk length {chunk_length} must be between 1 and 32767 tokens")
     t0 = time.perf_counter()
@@ -166,13 +164,9 @@ def build_chunks(
     for name in NAMES:
         np.lib.format.open_memmap(_tmp(directory, name), mode="w+", dtype=DTYPES[name], shape=(total,)).flush()
     job = ChunkJob(os.path.abspath(ds.prefix), os.path.abspath(directory), chunk_length)
-    executor = executor or LocalExecutor(1)
-    for _task, rows in executor.run(partial(chunk_range, job), tasks, progress):
-        if progress and not executor.streams_progress:
-            progress(rows)
-    for name in NAMES:
-        with open(_tmp(directory, name), "rb+") as f:
-            os.fsync(f.fileno())
+    run_tasks(partial(chunk_range, job), tasks, executor, progress=progress, count=int)  # none kept: redone whole
+    for name in NAMES:  # filled in place by the tasks, so not fsutil.atomic_write: fsync, then the final name
+        fsync_path(_tmp(directory, name))
         os.replace(_tmp(directory, name), directory / f"{name}.npy")
     save_npy_atomic(directory / "doc_end.npy", doc_end)
     fsync_dir(directory)

@@ -1,48 +1,30 @@
-"""What every stage shares: the error type, atomic writes, the data fingerprint, and the kill hook of the tests."""
+"""What every stage shares: the error type, the database's JSON, reading arrays and datasets, the data fingerprint,
+and faiss's threads and stdout. Files are written through corpusforge.fsutil (atomic, removed on an exception)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import signal
 from pathlib import Path
 
 import numpy as np
 
 from corpusforge import indexed, sizes
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, pickle_refused, refuses_pickle
+from corpusforge.fsutil import write_json_atomic
 
 
 class RetroError(CorpusforgeError, ValueError):
     """Bad input or configuration of a retrieval build; the message is the one line a person needs."""
 
 
-def fsync_dir(path: Path) -> None:
-    indexed.fsync_dir(path)
+def write_json(path: Path, data: dict) -> None:
+    """A database's JSON (the manifest) whole or not at all, in the bytes every database has had: indent 1, sorted
+    keys, a final newline.
 
-
-def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """np.save to `path.tmp`, fsync, rename: a reader sees the whole array or nothing."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    Example: write_json(Path("db/manifest.json"), {"version": 1, "stages": {}})"""
+    write_json_atomic(path, data, sort_keys=True, newline=True)
 
 
 def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
@@ -91,21 +73,6 @@ def parse_bytes(text: str | int) -> int:
         return sizes.parse_size(text, minimum=1)  # inf, nan, negatives and '1e400k' refused here too
     except ValueError as e:
         raise RetroError(str(e)) from None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:,.1f} PiB"
-
-
-def kill_point(stage: str, step: int) -> None:
-    """Tests only: SIGKILL this process at `stage:step` when CORPUSFORGE_RETRO_KILL_AT names it (a real kill,
-    no cleanup, no atexit), so that resuming is tested against exactly what a crash leaves."""
-    if os.environ.get("CORPUSFORGE_RETRO_KILL_AT") == f"{stage}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def import_faiss():

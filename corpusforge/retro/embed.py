@@ -26,9 +26,11 @@ from typing import Protocol
 
 import numpy as np
 
+from corpusforge.fsutil import remove_leftovers, save_npy_atomic
 from corpusforge.retro.chunks import ChunkTable
-from corpusforge.retro.common import RetroError, kill_point, load_npy, open_dataset, save_npy_atomic
+from corpusforge.retro.common import RetroError, load_npy, open_dataset
 from corpusforge.retro.hashed import HashedNgramEmbedder
+from corpusforge.stages import run_tasks
 
 
 class Embedder(Protocol):
@@ -157,6 +159,10 @@ class EmbedJob:
     def shards(self, n: int) -> int:
         return -(-n // self.shard_size)
 
+    def rows(self, shard: int, n: int) -> int:
+        """Chunks in `shard` of `n`: shard_size, less in the last shard."""
+        return min(self.shard_size, n - shard * self.shard_size)
+
 
 def embed_shard(job: EmbedJob, shard: int, ctx=None) -> int:
     """One task: embed chunks [shard·shard_size, ...) into shard_NNNNN.npy (atomically); returns its rows.
@@ -175,7 +181,6 @@ def embed_shard(job: EmbedJob, shard: int, ctx=None) -> int:
         if ctx is not None and ctx.report:
             ctx.report(len(ids))
     save_npy_atomic(shard_path(Path(job.directory), shard), out)
-    kill_point("embeddings", shard)
     return hi - lo
 
 
@@ -186,27 +191,25 @@ def embed_chunks(job: EmbedJob, n: int, executor=None, progress=None) -> dict:
 
     directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob("*.tmp"):
-        leftover.unlink()
-    todo = [s for s in range(job.shards(n)) if not shard_path(directory, s).exists()]
+    remove_leftovers(directory)  # a killed task's shard_NNNNN.npy.PID.HEX.tmp
     if executor is None or not isinstance(job.embedder, HashedNgramEmbedder):
         executor = LocalExecutor(1)
-    if progress and todo:  # chunks of finished shards count as done
-        progress(n - sum(min(job.shard_size, n - s * job.shard_size) for s in todo))
-    t0, embedded = time.perf_counter(), 0
-    for _shard, rows in executor.run(partial(embed_shard, job), todo, progress) if todo else ():
-        embedded += rows
-        if progress and not executor.streams_progress:
-            progress(rows)
-    seconds = time.perf_counter() - t0
+
+    def finished(shard: int) -> int | None:  # a shard is written whole or not at all: its file is its done marker
+        return job.rows(shard, n) if shard_path(directory, shard).exists() else None
+
+    run = run_tasks(
+        partial(embed_shard, job), range(job.shards(n)), executor, finished=finished, progress=progress, count=int
+    )
+    embedded = sum(run.ran)
     return {
-        "shards": job.shards(n),
+        "shards": run.tasks,
         "dim": job.embedder.dim,
         "embedded_now": embedded,
-        "seconds": round(seconds, 3),
-        "chunks_per_s": round(embedded / seconds) if embedded and seconds > 0 else None,
-        "executor": executor.name,
-        "workers": executor.workers,
+        "seconds": round(run.seconds, 3),
+        "chunks_per_s": round(embedded / run.seconds) if embedded and run.seconds > 0 else None,
+        "executor": run.executor,
+        "workers": run.workers,
     }
 
 

@@ -17,18 +17,16 @@ HNSW and Flat indexes have no inverted lists to merge (faiss cannot merge two HN
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from corpusforge.fsutil import atomic_path
 from corpusforge.retro.common import (
     c_stdout_to_stderr,
     faiss_threads,
-    fsync_dir,
     import_faiss,
-    kill_point,
     load_npy,
     through_pre_transform,
 )
@@ -102,7 +100,6 @@ def add_range(job: AddJob, task: tuple[int, int, int], ctx=None) -> int:
     write_index_atomic(faiss, part, part_path(directory, i))
     if ctx is not None and ctx.report:
         ctx.report(hi - lo)
-    kill_point("index", i + 1)
     return hi - lo
 
 
@@ -127,11 +124,8 @@ def merge_parts(directory: Path, tasks: int, on_disk: bool) -> None:
         scratch.unlink()
     elif on_disk:
         data = directory / "index.ivfdata"
-        tmp = data.with_name(data.name + ".tmp")
-        ondisk = _merge_on_disk(faiss, ivf, parts, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, data)  # the lists stay mapped through the rename (same inode)
+        with atomic_path(data) as tmp:  # the lists stay mapped through the rename (same inode)
+            ondisk = _merge_on_disk(faiss, ivf, parts, tmp)
         ondisk.filename = str(data)  # what index.faiss records; load_index finds it beside index.faiss wherever it is
     else:
         for path in parts:
@@ -158,10 +152,6 @@ def _merge_on_disk(faiss, ivf, parts: list[Path], path: Path):
 
 
 def write_index_atomic(faiss, index, path: Path) -> None:
-    """faiss.write_index to `path.tmp`, fsync, rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    faiss.write_index(index, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """faiss.write_index to `path`, whole or not at all (fsutil.atomic_path: a failed write leaves no temporary)."""
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, str(tmp))

@@ -37,8 +37,9 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from corpusforge.fsutil import save_npy_atomic
 from corpusforge.jit import njit
-from corpusforge.retro.common import RetroError, load_npy, save_npy_atomic
+from corpusforge.retro.common import RetroError, load_npy
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MEAN_FILE, COMPONENTS_FILE = "pca_mean.npy", "pca_components.npy"

@@ -30,12 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
+from corpusforge.fsutil import remove_leftovers
 from corpusforge.retro import fill
-from corpusforge.retro.common import RetroError, c_stdout_to_stderr, human_bytes, import_faiss, kill_point
+from corpusforge.retro.common import RetroError, c_stdout_to_stderr, import_faiss
 from corpusforge.retro.embed import EmbeddingStore
 from corpusforge.retro.fastscan import is_fast_scan
 from corpusforge.retro.gpu import train_with
 from corpusforge.retro.kmeans import train_two_level
+from corpusforge.sizes import human_bytes
+from corpusforge.stages import DriverExecutor, TaskRun, run_tasks
 
 # Rates measured by benchmarks/bench_knn.py on this project's 2-core (shared) reference machine, 1M real-text
 # chunks, 2026-11-21 (benchmarks/results/knn-pca-1m-full-2026-11-21.json, machine nearly idle; under a load of
@@ -388,8 +391,6 @@ def build_index(
     `progress(n)` is called as vectors are added.
 
     Example: build_index(plan_index(10**6, 128, 16 << 30), store, Path("db/index"), 0)["ntotal"] -> 1000000"""
-    from corpusforge.executors import LocalExecutor
-
     if on_disk and is_fast_scan(plan.key):
         raise RetroError(
             f"index {plan.key}: fast-scan lists cannot live on disk (faiss keeps them in RAM, in blocks of codes); "
@@ -397,8 +398,7 @@ def build_index(
         )
     faiss = import_faiss()
     directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob("*.tmp"):
-        leftover.unlink()
+    remove_leftovers(directory)  # a killed task's part, a killed merge's scratch lists
     t0 = time.perf_counter()
     trained_path = directory / "trained.faiss"
     if not trained_path.exists():
@@ -413,57 +413,56 @@ def build_index(
                     train_with(faiss, index, gpus)
                 index.train(sample)
         fill.write_index_atomic(faiss, index, trained_path)
-    kill_point("index", 0)
     t_train = time.perf_counter() - t0
-    executor = executor or LocalExecutor(1)
-    merge_s = 0.0
-    parts = plan.nlist > 0
-    if parts:
-        tasks, merge_s = _fill_ivf(store, directory, executor, on_disk, progress, gpus)
+    if plan.nlist:
+        run, merge_s = _fill_ivf(store, directory, executor, on_disk, progress, gpus)
     else:
         # HNSW (and Flat, below 1,000 vectors): one task, here, with every core. faiss cannot merge two HNSW
         # graphs, so parts would have to be re-added one by one into one graph: the whole cost again.
-        index = faiss.read_index(str(trained_path))
-        for _first, block in store.blocks(rows=1 << 16):
-            index.add(block)
-            if progress:
-                progress(len(block))
-        fill.write_index_atomic(faiss, index, directory / "index.faiss")
-        tasks = 1
+        run, merge_s = run_tasks(partial(_fill_whole, store, directory), [0], DriverExecutor(), progress=progress), 0.0
     for part in directory.glob("part_*.faiss"):
         part.unlink()
     return {
         "train_s": round(t_train, 3),
         "add_s": round(time.perf_counter() - t0 - t_train, 3),
         "ntotal": store.n,
-        "add_tasks": tasks,
+        "add_tasks": run.tasks,
         "merge_s": round(merge_s, 3),
-        "executor": executor.name if parts and not gpus else "driver",
-        "workers": executor.workers if parts and not gpus else 1,
-        "gpus": gpus if parts else 0,
+        "executor": run.executor,
+        "workers": run.workers,
+        "gpus": gpus if plan.nlist else 0,
     }
+
+
+def _fill_whole(store: EmbeddingStore, directory: Path, _task: int, ctx) -> int:
+    """The one task of an index without inverted lists: every vector into trained.faiss → index.faiss."""
+    faiss = import_faiss()
+    index = faiss.read_index(str(directory / "trained.faiss"))
+    for _first, block in store.blocks(rows=1 << 16):
+        index.add(block)
+        if ctx.report:
+            ctx.report(len(block))
+    fill.write_index_atomic(faiss, index, directory / "index.faiss")
+    return store.n
 
 
 def _fill_ivf(
     store: EmbeddingStore, directory: Path, executor, on_disk: bool, progress=None, gpus: int = 0
-) -> tuple[int, float]:
+) -> tuple[TaskRun[int], float]:
     """Every missing part as an add task on `executor` (with `gpus`, here, one after another: see fill.AddJob),
-    then the merge (here); returns (tasks, merge seconds)."""
-    tasks = fill.add_tasks(store.n, store.shard_size)
-    todo = [t for t in tasks if not fill.part_path(directory, t[0]).exists()]
-    if progress and len(todo) < len(tasks):  # vectors of finished parts count as added
-        progress(store.n - sum(hi - lo for _, lo, hi in todo))
+    then the merge (here); returns (the tasks' run, merge seconds)."""
     job = fill.AddJob(os.path.abspath(store.directory), os.path.abspath(directory), store.shard_size, gpus)
-    if gpus:  # in this process, with all of its threads for the encoding
-        done = ((task, fill.add_range(job, task)) for task in todo)
-    else:
-        done = executor.run(partial(fill.add_range, job), todo, progress) if todo else ()
-    for _task, rows in done:
-        if progress and (gpus or not executor.streams_progress):
-            progress(rows)
+
+    def finished(task: tuple[int, int, int]) -> int | None:  # a part is written whole: its file is its done marker
+        return task[2] - task[1] if fill.part_path(directory, task[0]).exists() else None
+
+    # with GPUs, in this process, with all of its threads for the encoding
+    executor = DriverExecutor() if gpus else executor
+    tasks = fill.add_tasks(store.n, store.shard_size)
+    run = run_tasks(partial(fill.add_range, job), tasks, executor, finished=finished, progress=progress, count=int)
     t0 = time.perf_counter()
     fill.merge_parts(directory, len(tasks), on_disk)
-    return len(tasks), time.perf_counter() - t0
+    return run, time.perf_counter() - t0
 
 
 def _seed_training(faiss, index, seed: int) -> None:

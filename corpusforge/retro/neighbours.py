@@ -30,18 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge.retro.common import (
-    RetroError,
-    faiss_threads,
-    fsync_dir,
-    kill_point,
-    load_npy,
-    open_dataset,
-    save_npy_atomic,
-)
+from corpusforge.fsutil import atomic_write, remove_leftovers, save_npy_atomic
+from corpusforge.retro.common import RetroError, faiss_threads, load_npy, open_dataset
 from corpusforge.retro.embed import Embedder, EmbeddingStore
 from corpusforge.retro.index import format_params, parse_params, set_search_params
 from corpusforge.retro.listmajor import search_batch
+from corpusforge.stages import DriverExecutor, run_tasks
 
 MAGIC = b"CFRKNN\x00\x01"
 HEADER = 64
@@ -268,11 +262,14 @@ def neighbours_range(job: NeighbourJob, task: tuple[int, int, int], ctx=None) ->
     with faiss_threads(threads):
         index = shared_index(job.index, os.stat(job.index).st_mtime_ns)
         ids, _ = search(index, store, table.doc, vectors, query_doc, job.k, job.candidates, job.params)
-    save_npy_atomic(Path(job.parts) / f"part_{b:05d}.npy", ids)
+    save_npy_atomic(_part(job, b), ids)
     if ctx is not None and ctx.report:
         ctx.report(hi - lo)
-    kill_point("neighbours", b)
     return hi - lo
+
+
+def _part(job: NeighbourJob, b: int) -> Path:
+    return Path(job.parts) / f"part_{b:05d}.npy"
 
 
 def _embed_queries(queries: QueryChunks, lo: int, hi: int, threads: int) -> np.ndarray:
@@ -292,53 +289,47 @@ def build_neighbours(job: NeighbourJob, n: int, path: Path, block: int, executor
     executor the tasks run in this process.
 
     Example: build_neighbours(job, 10**6, Path("db/neighbours.bin"), 65536, executor)["queries"] -> 1000000"""
-    from corpusforge.executors import TaskContext
-
     parts = Path(job.parts)
     parts.mkdir(parents=True, exist_ok=True)
-    for leftover in parts.glob("*.tmp"):
-        leftover.unlink()
+    remove_leftovers(parts)  # a killed task's part_NNNNN.npy.PID.HEX.tmp
     tasks = [(b, lo, min(n, lo + block)) for b, lo in enumerate(range(0, n, block))]
-    todo = [t for t in tasks if not (parts / f"part_{t[0]:05d}.npy").exists()]
-    if progress and len(todo) < len(tasks):  # query chunks of finished parts count as done
-        progress(n - sum(hi - lo for _, lo, hi in todo))
-    t0, served = time.perf_counter(), 0
-    if executor is None:  # here, with all this process's threads: a model embedder (torch, maybe a GPU) stays here
-        results = ((t, neighbours_range(job, t, TaskContext(progress, threads=0))) for t in todo)
-        name, workers, streams = "driver", 1, True
-    else:
-        results = executor.run(partial(neighbours_range, job), todo, progress) if todo else ()
-        name, workers, streams = executor.name, executor.workers, executor.streams_progress
-    for _task, rows in results:
-        served += rows
-        if progress and not streams:
-            progress(rows)
-    _write_file(path, [parts / f"part_{b:05d}.npy" for b, _, _ in tasks], n, job.k)
+
+    def finished(task: tuple[int, int, int]) -> int | None:  # a part is written whole: its file is its done marker
+        return task[2] - task[1] if _part(job, task[0]).exists() else None
+
+    # no executor: here, with all this process's threads (a model embedder, torch, maybe a GPU, stays here)
+    t0 = time.perf_counter()
+    run = run_tasks(
+        partial(neighbours_range, job),
+        tasks,
+        executor or DriverExecutor(),
+        finished=finished,
+        progress=progress,
+        count=int,
+    )
+    _write_file(path, [_part(job, b) for b, _, _ in tasks], n, job.k)
     for p in parts.iterdir():
         p.unlink()
     parts.rmdir()
     seconds = time.perf_counter() - t0
+    served = sum(run.ran)
     return {
         "queries": n,
         "k": job.k,
         "seconds": round(seconds, 3),
         "queries_per_s": round(served / seconds) if served else None,
-        "tasks": len(tasks),
-        "executor": name,
-        "workers": workers,
+        "tasks": run.tasks,
+        "executor": run.executor,
+        "workers": run.workers,
     }
 
 
 def _write_file(path: Path, parts: list[Path], n: int, k: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """The header, then the parts' rows in order, as one file that appears whole (see the module docstring)."""
+    with atomic_write(path) as f:
         f.write(MAGIC + struct.pack("<QQQ", 1, n, k) + bytes(HEADER - len(MAGIC) - 24))
         for p in parts:
             f.write(memoryview(np.ascontiguousarray(load_npy(p, mmap=False), dtype="<i8")))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_neighbours(path: Path) -> np.ndarray:

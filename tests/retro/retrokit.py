@@ -11,7 +11,8 @@ import numpy as np
 
 from corpusforge.indexed import IndexedDatasetWriter
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 
 def topical_documents(n_docs: int, seed: int = 0, min_len: int = 10, max_len: int = 400) -> list[np.ndarray]:
@@ -44,14 +45,27 @@ def write_dataset(prefix: Path | str, docs: list[np.ndarray]) -> str:
     return os.fspath(prefix)
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`corpusforge ARGS` in a fresh interpreter (for real kills and exit codes); the retro verbs are reached
-    through a tiny click group here, so the tests do not depend on the lead's registration in cli/__init__.py."""
-    code = (
-        "import sys, click\n"
-        "from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd\n"
-        "g = click.Group(); g.add_command(build_knn_cmd); g.add_command(query_knn_cmd)\n"
-        "g(sys.argv[1:], prog_name='corpusforge')\n"
-    )
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env, cwd=REPO)
+def cli_group():
+    """The retro verbs in a tiny click group, so the tests do not depend on the lead's registration in
+    cli/__init__.py."""
+    import click
+
+    from corpusforge.cli.retro import build_knn_cmd, query_knn_cmd
+
+    group = click.Group()
+    group.add_command(build_knn_cmd)
+    group.add_command(query_knn_cmd)
+    return group
+
+
+def run_cli(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    """`corpusforge ARGS` in a fresh interpreter (for real kills and exit codes); `kill_at` ("stage:step") runs it
+    under killed_build.py, which SIGKILLs the build at that point."""
+    if kill_at is None:
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import retrokit\n"
+        code += "retrokit.cli_group()(sys.argv[1:], prog_name='corpusforge')"
+        command = [sys.executable, "-c", code, *args]
+    else:
+        command = [sys.executable, str(HERE / "killed_build.py"), kill_at, *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)

@@ -272,7 +272,7 @@ def test_resume_after_sigkill_is_byte_identical(dataset, tmp_path, kill_at):
     opts = ["--shard-size", "256", "--index-key", "IVF8,Flat", "--recall-queries", "200", "--workers", "1"]
     ref, out = tmp_path / "ref", tmp_path / "killed"
     build_knn(_config(dataset, ref, index_key="IVF8,Flat"))
-    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": kill_at})
+    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, kill_at=kill_at)
     assert killed.returncode == -9, killed.stderr
     assert not (out / "neighbours.bin").exists()
     resumed = run_cli("build-knn", dataset, "--output", str(out), *opts, "--resume")
@@ -291,7 +291,7 @@ def test_resume_fills_the_index_that_was_trained_whatever_the_planner_says_now(t
     dataset = write_dataset(tmp_path / "corpus", topical_documents(600, seed=5, max_len=300))  # past 1,000 chunks
     out = tmp_path / "db"
     opts = ["--shard-size", "1024", "--max-index-memory", "500K", "--recall-queries", "200", "--no-neighbours"]
-    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": "index:0"})
+    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, kill_at="index:0")
     assert killed.returncode == -9, killed.stderr
     trained = json.loads((out / "manifest.json").read_text())["plan"]
     assert trained["key"] == "OPQ64_128,IVF128_HNSW32,PQ64x4fs"
@@ -396,24 +396,27 @@ def stopped(dataset, tmp_path_factory) -> dict[str, Path]:
     """Copies of one build as it stood at each stop: after each stage's manifest entry, and inside the index stage
     once its trained index was written (where a kill there leaves it)."""
     from corpusforge.retro import build as build_mod
-    from corpusforge.retro import index as index_mod
+    from corpusforge.retro import fill as fill_mod
 
     root = tmp_path_factory.mktemp("stopped")
     out, snaps = root / "db", {}
-    real_write = build_mod.write_json_atomic
+    real_write = build_mod.write_json
 
     def write(path, data):
         real_write(path, data)
         for stage in set(data.get("stages", {})) & set(STOPS) - set(snaps):
             snaps[stage] = shutil.copytree(out, root / stage)
 
-    def kill_point(stage, step):
-        if (stage, step) == ("index", 0):
+    real_write_index = fill_mod.write_index_atomic
+
+    def write_index(faiss, index, path):  # where killed_build.py kills at index:0
+        real_write_index(faiss, index, path)
+        if path.name == "trained.faiss":
             snaps["index-trained"] = shutil.copytree(out, root / "index-trained")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(build_mod, "write_json_atomic", write)
-        mp.setattr(index_mod, "kill_point", kill_point)
+        mp.setattr(build_mod, "write_json", write)
+        mp.setattr(fill_mod, "write_index_atomic", write_index)
         build_knn(_base(dataset, out))
     assert set(snaps) == set(STOPS)
     return snaps

@@ -135,7 +135,7 @@ def test_worker_killed_for_good_then_resume_gives_the_same_bytes(dataset, tmp_pa
     opts = ["--shard-size", "256", "--index-key", IVF, "--recall-queries", "100", "--workers", "2"]
     ref, out = tmp_path / "ref", tmp_path / "killed"
     _build(dataset, ref, index_key=IVF, workers=1)
-    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, env={"CORPUSFORGE_RETRO_KILL_AT": kill_at})
+    killed = run_cli("build-knn", dataset, "--output", str(out), *opts, kill_at=kill_at)
     assert killed.returncode == 1, killed.stderr
     assert "rerun with --resume" in killed.stderr and killed.stderr.strip().count("\n") == 0, killed.stderr
     parts = out / "index" if kill_at.startswith("index") else out / "neighbours.bin.parts"
