@@ -111,7 +111,7 @@ def neighbours_rate(db: Path, result, queries: int = 2000) -> dict:
     of query chunks: at 1M chunks the full stage takes hours on 2 shared cores, so it is timed on a sample."""
     from corpusforge.retro.embed import EmbeddingStore
     from corpusforge.retro.index import load_index
-    from corpusforge.retro.neighbours import search
+    from corpusforge.retro.neighbours import Database, search
 
     table = ChunkTable.load(db / "chunks")
     store = EmbeddingStore(db / "embeddings", len(table), result.plan["dim"], 1 << 20)
@@ -120,7 +120,7 @@ def neighbours_rate(db: Path, result, queries: int = 2000) -> dict:
     ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
     t0 = time.perf_counter()
     width = result.recall["candidates"]
-    search(index, store, table.doc, store.get(ids), np.asarray(table.doc[ids]), 2, width, params)
+    search(Database(index, store, table.doc), store.get(ids), np.asarray(table.doc[ids]), 2, width, params)
     s = time.perf_counter() - t0
     rate = round(queries / s, 1)
     return {"queries": queries, "k": 2, "search_params": params, "candidates": width, "chunks_per_s": rate}
@@ -349,7 +349,7 @@ def rerank_cold(db: Path, key: str, queries: int) -> dict:
 
     from corpusforge.retro.embed import EmbeddingStore
     from corpusforge.retro.index import load_index
-    from corpusforge.retro.neighbours import search
+    from corpusforge.retro.neighbours import Database, search
 
     target = key_db(db, key)
     manifest = json.loads((target / "manifest.json").read_text())
@@ -366,7 +366,7 @@ def rerank_cold(db: Path, key: str, queries: int) -> dict:
             shard._mmap.madvise(mmap.MADV_RANDOM)
         if drop:
             _drop_caches()
-        run = partial(search, index, store, table.doc, vectors, doc, 2, width, params)
+        run = partial(search, Database(index, store, table.doc), vectors, doc, 2, width, params)
         (found[name], _), out[name] = _timed_reads(run, queries, "chunks_per_s")
         del run, store  # unmapped, or the next pass's drop_caches would leave the pages they map
         print(f"{name:<17} {out[name]['chunks_per_s']:>8} chunks/s  {out[name]['read_mb_per_query']} MB/query")
@@ -425,7 +425,7 @@ def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict
     from corpusforge.retro.embed import EmbeddingStore
     from corpusforge.retro.index import load_index
     from corpusforge.retro.listmajor import search_list_major
-    from corpusforge.retro.neighbours import search
+    from corpusforge.retro.neighbours import Database, search
 
     target = key_db(db, key)
     manifest = json.loads((target / "manifest.json").read_text())
@@ -435,10 +435,11 @@ def ondisk_search(db: Path, key: str, queries: int, per_query: int = 50) -> dict
     ids = np.sort(np.random.default_rng(2).choice(len(table), queries, replace=False))
     vectors, doc = store.get(ids), np.asarray(table.doc[ids])
     index = load_index(target / "index" / "index.faiss", params)
+    database = Database(index, store, table.doc)
     runs = {
         "faiss_per_query": (per_query, lambda: index.search(vectors[:per_query], 40)[1]),
         "list_major": (queries, lambda: search_list_major(index, vectors, 40)[1]),
-        "neighbours_stage": (queries, lambda: search(index, store, table.doc, vectors, doc, 2, 40, params)[0]),
+        "neighbours_stage": (queries, lambda: search(database, vectors, doc, 2, 40, params)[0]),
     }
     out, found = {"key": key, "lists_bytes": (target / "index" / "index.ivfdata").stat().st_size}, {}
     for name, (n, run) in runs.items():

@@ -408,6 +408,7 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
     queries, qdoc = store.get(ids), np.asarray(table.doc[ids])
     k = min(RECALL_K, max(1, store.n - 1))
     exact = nb_mod.exact_search(store, table.doc, queries, qdoc, k)
+    db = nb_mod.Database(index, store, table.doc)
 
     def scores(ids: np.ndarray) -> np.ndarray:  # exact similarities of (Q, k) chunk ids to their queries
         return np.einsum("qkd,qd->qk", store.get(ids), queries)
@@ -417,11 +418,11 @@ def _tune_recall(config, plan, index, store, table, progress=None) -> dict:
     while True:
         width = config.candidates
         if widths:  # the fewest candidates that reach the target at these params, else the most
-            found = nb_mod.search_prefixes(index, store, table.doc, queries, qdoc, k, params, widths)
+            found = nb_mod.search_prefixes(db, queries, qdoc, k, params, widths)
             reach = [w for w in widths if nb_mod.recall_at(found[w], exact, scores) >= config.recall_target]
             width = reach[0] if reach else widths[-1]
         t1 = time.perf_counter()
-        approx, _ = nb_mod.search(index, store, table.doc, queries, qdoc, k, width, params)
+        approx, _ = nb_mod.search(db, queries, qdoc, k, width, params)
         qps = len(ids) / (time.perf_counter() - t1)
         r = nb_mod.recall_at(approx, exact, scores)
         tried.append({"search_params": params, "candidates": width, "recall": round(r, 4), "qps": round(qps)})
@@ -577,9 +578,7 @@ def query_knn(db: str | os.PathLike, text: str, k: int = 5, max_chunks: int = 4)
     for i, p in enumerate(pieces):
         qtok[i, : len(p)] = p
     found, scores = nb_mod.search(
-        index,
-        store,
-        table.doc,
+        nb_mod.Database(index, store, table.doc),
         embedder.embed(qtok),
         None,
         k,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,20 +46,26 @@ MAX_CANDIDATES = 4096
 GATHER_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
+class Database:
+    """What queries are searched against: the Faiss index, the stored embeddings its hits are re-ranked with, and
+    the document of every DB chunk (for the same-document exclusion).
+
+    Example: search(Database(index, store, table.doc), queries, query_doc, k=2, candidates=40)"""
+
+    index: Any
+    store: EmbeddingStore
+    doc: np.ndarray
+
+
 def search(
-    index,
-    store: EmbeddingStore,
-    db_doc: np.ndarray,
-    queries: np.ndarray,
-    query_doc: np.ndarray | None,
-    k: int,
-    candidates: int,
-    params: str = "",
+    db: Database, queries: np.ndarray, query_doc: np.ndarray | None, k: int, candidates: int, params: str = ""
 ) -> tuple[np.ndarray, np.ndarray]:
     """K nearest DB chunks of each query vector: `candidates` approximate hits re-ranked exactly on the stored
     embeddings, chunks of `query_doc` excluded (None: no exclusion). Returns (ids int64, scores float32), (Q, K).
 
     Queries whose candidate list was full of same-document chunks are searched again with 4x the candidates."""
+    index, store, db_doc = db.index, db.store, db.doc
     q = len(queries)
     ids = np.full((q, k), -1, dtype=np.int64)
     scores = np.full((q, k), -np.inf, dtype=np.float32)
@@ -89,20 +96,15 @@ def _set_width(index, params: str, width: int) -> None:
 
 
 def search_prefixes(
-    index,
-    store: EmbeddingStore,
-    db_doc: np.ndarray,
-    queries: np.ndarray,
-    query_doc: np.ndarray | None,
-    k: int,
-    params: str,
-    widths: list[int],
+    db: Database, queries: np.ndarray, query_doc: np.ndarray | None, k: int, params: str, widths: list[int]
 ) -> dict[int, np.ndarray]:
     """For each width w in `widths`, the K ids that re-ranking the first w candidates gives, from one search at the
     widest: an IVF search's first w hits at width W are its hits at width w (the recall tuning's shortcut; no
     widening for same-document hits, which `search` adds).
 
-    Example: search_prefixes(index, store, doc, q, qdoc, 10, "nprobe=64", [40, 60])[60].shape -> (len(q), 10)"""
+    Example: search_prefixes(Database(index, store, doc), q, qdoc, 10, "nprobe=64", [40, 60])[60].shape -> (len(q), 10)
+    """
+    index, store, db_doc = db.index, db.store, db.doc
     set_search_params(index, params)
     _, cand = search_batch(index, queries, max(widths))
     out = {w: np.empty((len(queries), k), dtype=np.int64) for w in widths}
@@ -261,7 +263,7 @@ def neighbours_range(job: NeighbourJob, task: tuple[int, int, int], ctx=None) ->
     # one OpenMP thread in a forked worker: see common.faiss_threads
     with faiss_threads(threads):
         index = shared_index(job.index, os.stat(job.index).st_mtime_ns)
-        ids, _ = search(index, store, table.doc, vectors, query_doc, job.k, job.candidates, job.params)
+        ids, _ = search(Database(index, store, table.doc), vectors, query_doc, job.k, job.candidates, job.params)
     save_npy_atomic(_part(job, b), ids)
     if ctx is not None and ctx.report:
         ctx.report(hi - lo)

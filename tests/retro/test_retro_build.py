@@ -72,11 +72,12 @@ def test_rerank_gathers_candidate_vectors_a_block_of_rows_at_a_time(dataset, tmp
     store = EmbeddingStore(tmp_path / "db" / "embeddings", len(table), 128, 256)
     index = load_index(tmp_path / "db" / "index" / "index.faiss", "")
     queries, doc = store.get(np.arange(len(table))), np.asarray(table.doc)
-    whole = nb_mod.search(index, store, table.doc, queries, doc, 4, 400)  # 64 MB blocks: 327 rows, ~3 blocks
+    db = nb_mod.Database(index, store, table.doc)
+    whole = nb_mod.search(db, queries, doc, 4, 400)  # 64 MB blocks: 327 rows, ~3 blocks
     monkeypatch.setattr(nb_mod, "GATHER_BYTES", 1 << 20)  # 5 rows of 400 x 128 float32 a block
     tracemalloc.start()
     try:
-        small = nb_mod.search(index, store, table.doc, queries, doc, 4, 400)
+        small = nb_mod.search(db, queries, doc, 4, 400)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -102,7 +103,7 @@ def test_pq_recall_tuning_raises_the_candidates_and_the_stage_uses_them(dataset,
     """PQ codes order hits approximately: 40 re-ranked candidates miss the target even over every list, so the
     tuning takes more, records them, and the neighbours stage searches with them."""
     from corpusforge.retro.index import load_index
-    from corpusforge.retro.neighbours import recall_at, search
+    from corpusforge.retro.neighbours import Database, recall_at, search
 
     db = tmp_path / "db"
     result = build_knn(_config(dataset, db, index_key="IVF8,PQ4x4", k=2))
@@ -115,11 +116,12 @@ def test_pq_recall_tuning_raises_the_candidates_and_the_stage_uses_them(dataset,
     index = load_index(db / "index" / "index.faiss", rec["search_params"])
     every = np.arange(len(table))
     queries, qdoc = store.get(every), np.asarray(table.doc)
-    tuned, _ = search(index, store, table.doc, queries, qdoc, 2, rec["candidates"], rec["search_params"])
+    db_ = Database(index, store, table.doc)
+    tuned, _ = search(db_, queries, qdoc, 2, rec["candidates"], rec["search_params"])
     assert np.array_equal(read_neighbours(db / "neighbours.bin"), tuned)
     exact = exact_search(store, table.doc, queries, qdoc, 10)
     score = lambda ids: np.einsum("qkd,qd->qk", store.get(ids), queries)  # noqa: E731
-    few, _ = search(index, store, table.doc, queries, qdoc, 10, 40, rec["search_params"])
+    few, _ = search(db_, queries, qdoc, 10, 40, rec["search_params"])
     assert recall_at(few, exact, score) < 0.95  # nprobe is already every list: only the candidates could help
 
 

@@ -58,7 +58,7 @@ def test_pq_index_builds_and_searches(tmp_path):
     """The OPQ + IVF(HNSW) + PQ path end to end on a small store, with exact re-ranking lifting recall."""
     from corpusforge.retro.embed import EmbeddingStore, HashedNgramEmbedder, shard_path
     from corpusforge.retro.index import build_index, load_index
-    from corpusforge.retro.neighbours import exact_search, recall_at, search
+    from corpusforge.retro.neighbours import Database, exact_search, recall_at, search
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 500, (3000, 16))
@@ -75,7 +75,7 @@ def test_pq_index_builds_and_searches(tmp_path):
     q = store.get(np.arange(0, 3000, 30))
     exact = exact_search(store, doc, q, doc[::30], 10)
     _, raw = index.search(q, 10)
-    approx, _ = search(index, store, doc, q, doc[::30], 10, 600, "nprobe=16,quantizer_efSearch=32")
+    approx, _ = search(Database(index, store, doc), q, doc[::30], 10, 600, "nprobe=16,quantizer_efSearch=32")
     assert recall_at(approx, exact) >= 0.9 > recall_at(raw, exact)  # exact re-ranking recovers what PQ8 loses
 
 
