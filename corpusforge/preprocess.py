@@ -46,7 +46,7 @@ import numpy as np
 from corpusforge import indexed, sources
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import Executor, TaskContext, make_executor
-from corpusforge.fsutil import TMP_SUFFIX, remove_leftovers, write_json_atomic
+from corpusforge.fsutil import TMP_SUFFIX, fsync_dir, remove_leftovers, write_json_atomic
 from corpusforge.stages import TaskRun, run_tasks
 from corpusforge.tokenizers import Tokenizer, load_tokenizer
 
@@ -478,7 +478,7 @@ def _commit(parts: Path, record: dict) -> None:
         if indexed.bin_path(staged).exists():
             os.replace(indexed.bin_path(staged), indexed.bin_path(final))
         os.replace(indexed.idx_path(staged), indexed.idx_path(final))
-    indexed.fsync_dir(out_dir)
+    fsync_dir(out_dir)
     write_json_atomic(summary_path, record["summary"])  # (and fsyncs the directory)
     _remove_parts(parts)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed
-from corpusforge.fsutil import temp_path, write_json_atomic
+from corpusforge.fsutil import fsync_dir, temp_path, write_json_atomic
 from corpusforge.preprocess import PreprocessConfig, PreprocessStats, Progress, preprocess
 
 STAGING_SUFFIX = ".input-order"
@@ -103,7 +103,7 @@ def deal(source: str | os.PathLike, dest: str | os.PathLike, partitions: int, du
     finally:
         src.close()
     if durable:
-        indexed.fsync_dir(Path(dest).parent)
+        fsync_dir(Path(dest).parent)
 
 
 def _copy_sequences(tokens: np.ndarray, first: np.ndarray, lengths: np.ndarray, out) -> None:
