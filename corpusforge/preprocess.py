@@ -501,6 +501,18 @@ def _finish_commit(parts: Path, fingerprint: dict, t0: float) -> PreprocessStats
 # the manifest: what the parts were made from
 
 
+def run_fingerprint(config: PreprocessConfig) -> dict:
+    """What a finished run of `config` recorded as its `fingerprint` in `{prefix}.preprocess.json` (inputs with
+    size and mtime, keys, tokenizer, EOD): equal means a rerun would write the same outputs. Loads the tokenizer.
+
+    Example:
+        >>> run_fingerprint(cfg) == json.loads(Path("out/c.preprocess.json").read_text())["fingerprint"]
+        True
+    """
+    files = sources.find_inputs(config.inputs).files
+    return _fingerprint(config, files, _tokenizer(config, threads=False))
+
+
 def _fingerprint(config: PreprocessConfig, files: Sequence[Path], tokenizer: Tokenizer) -> dict:
     """What must match for finished parts to be reused: inputs (name, size, mtime), keys, tokenizer, EOD."""
     return {

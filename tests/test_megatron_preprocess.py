@@ -537,6 +537,24 @@ def test_flags_that_cannot_be_honoured_exit_2_with_one_line(extra, words, tmp_pa
     assert not list(tmp_path.glob("o*"))
 
 
+def test_resume_of_a_finished_dealt_run_does_nothing(files, tmp_path):
+    """--resume after a finished --partitions N run (round-robin) reuses its outputs; another N deals again."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"Document {i}."}) + "\n" for i in range(9)))
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "cf"), "--tokenizer-type",
+            "Llama2Tokenizer", *_tokenizer_flags("Llama2Tokenizer", files), "--partitions", "3",
+            "--resume"]  # fmt: skip
+    first, _ = megatron.run(argv)
+    written = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("cf_*")}
+    again, _ = megatron.run(argv)
+    assert not first.already_complete and again.already_complete and again.documents == first.documents == 9
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("cf_*")} == written
+    other, _ = megatron.run([a if a != "3" else "2" for a in argv])
+    assert not other.already_complete
+    tokenizer = _megatron_tokenizer("Llama2Tokenizer", files, tmp_path)
+    _megatron_partitioned(str(tmp_path / "in.jsonl"), tmp_path / "mg", tokenizer, ["text"], False, None, 2, False)
+    _same_files(f"{tmp_path}/cf_text_document", f"{tmp_path}/mg_text_document")
+
+
 def test_cli_same_as_module_and_corpusforge_flags(corpus, files, tmp_path):
     """`corpusforge megatron-preprocess` = `python -m corpusforge.megatron_preprocess`; --json carries the summary,
     --resume of a finished run does nothing, --partitions with --keep-sequential-samples keeps the input order."""

@@ -38,7 +38,7 @@ import numpy as np
 
 from corpusforge import indexed
 from corpusforge.fsutil import fsync_dir, temp_path, write_json_atomic
-from corpusforge.preprocess import PreprocessConfig, PreprocessStats, Progress, preprocess
+from corpusforge.preprocess import PreprocessConfig, PreprocessStats, Progress, preprocess, run_fingerprint
 
 STAGING_SUFFIX = ".input-order"
 """`{prefix}{STAGING_SUFFIX}`: the prefix of the input-order datasets that `deal` reads, removed once dealt."""
@@ -131,10 +131,12 @@ def preprocess_dealt(
 
     Example: preprocess_dealt(PreprocessConfig(("c.jsonl",), "out/c", keep_empty=True), partitions=4)
     """
+    summary_path = Path(f"{config.output_prefix}.preprocess.json")
+    if config.resume and (finished := _finished(config, partitions, summary_path)) is not None:
+        return finished
     staging = replace(config, output_prefix=f"{config.output_prefix}{STAGING_SUFFIX}")
     stats = preprocess(staging, on_progress)
     t0 = time.perf_counter()
-    summary_path = Path(f"{config.output_prefix}.preprocess.json")
     summary_path.unlink(missing_ok=True)  # while the outputs change, no summary vouches for them
     for source, dest in zip(staging.output_prefixes(), config.output_prefixes()):
         deal(source, dest, partitions)
@@ -150,4 +152,22 @@ def preprocess_dealt(
     for source in staging.output_prefixes():
         indexed.idx_path(source).unlink()  # the .idx first: a .bin alone is no dataset to any reader
         indexed.bin_path(source).unlink()
+    return stats
+
+
+def _finished(config: PreprocessConfig, partitions: int, summary_path: Path) -> PreprocessStats | None:
+    """The stats of a finished dealt run of the same inputs, tokenizer and partitions whose outputs are all there
+    (so that `--resume` after it does nothing, as for preprocess), else None."""
+    if not summary_path.is_file():
+        return None
+    t0 = time.perf_counter()
+    summary = json.loads(summary_path.read_text())
+    if (summary.get("megatron_partitions") or {}).get("partitions") != partitions:
+        return None
+    if not all(indexed.exists(p) for p in config.output_prefixes()):
+        return None
+    if summary.get("fingerprint") != run_fingerprint(config):
+        return None
+    stats = PreprocessStats.from_dict(summary["stats"])
+    stats.already_complete, stats.seconds = True, time.perf_counter() - t0
     return stats
