@@ -27,7 +27,7 @@ from corpusforge.data.blended import (
     parse_blend,
     samples_per_dataset,
 )
-from corpusforge.data.cache import IndexCache
+from corpusforge.data.cache import IndexCache, completing_after
 from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_together, split_ranges
 from corpusforge.indexed import IndexedDataset
 from corpusforge.storage import StorageConfig, open_dataset
@@ -134,11 +134,12 @@ def build_gpt_datasets(
         load_kernel_in_background()  # numba's start-up overlaps the opening and the datasets' index builds
     indexed = open_datasets(prefixes, storage)  # every missing file is reported before any work
     cache = IndexCache(cache_dir)
-    if len(prefixes) == 1 and weights is None:
-        return tuple(_splits_of(indexed[0], sizes, config, cache))  # type: ignore[return-value]
-    if weights is not None:
-        return _weighted_blend(indexed, normalize(weights), sizes, config, cache)
-    return _length_blend(indexed, sizes, config, cache)
+    with completing_after():  # the cache entries' fsyncs start once every split is built, not between them
+        if len(prefixes) == 1 and weights is None:
+            return tuple(_splits_of(indexed[0], sizes, config, cache))  # type: ignore[return-value]
+        if weights is not None:
+            return _weighted_blend(indexed, normalize(weights), sizes, config, cache)
+        return _length_blend(indexed, sizes, config, cache)
 
 
 def _weighted_blend(

@@ -144,6 +144,7 @@ class IndexCache:
         if loaded is not None:
             return loaded, False
         self.directory.mkdir(parents=True, exist_ok=True)
+        _complete_held(Path(f"{base}-description.json"))  # this thread holds that entry's lock: release it first
         lock = contextlib.ExitStack()
         lock.enter_context(_build_lock(Path(f"{base}.lock")))
         try:
@@ -173,7 +174,7 @@ class IndexCache:
             _write_arrays(arrays, paths, written, desc_path, background=False)
         else:
             _writer().submit(_write_arrays, arrays, paths, written, desc_path)
-        _PENDING.append(_syncer().submit(_complete_entry, paths, desc_path, text, written, lock))
+        _complete_later(paths, desc_path, text, written, lock)
         return arrays, True
 
     def wait(self) -> None:
@@ -272,6 +273,54 @@ def _complete_entry(
         _ERRORS.append((desc_path, e))
     finally:
         lock.close()
+
+
+# Entries built inside a completing_after() block, per thread: their completions are submitted when it ends.
+_HOLD = threading.local()
+
+
+@contextlib.contextmanager
+def completing_after() -> Iterator[None]:
+    """Submit the completion (fsyncs, description, lock release) of the entries built inside the block only when
+    it ends: a build of several entries (train, valid, test) then does not share the GIL and the CPU with the
+    syncer thread while it builds (~2 ms of a 20 ms build on a busy 2-core machine). Nested blocks: the outermost
+    submits. Another process waiting on one of these entries waits until the block ends (milliseconds more).
+
+    Example:
+        >>> with completing_after():
+        ...     arrays, built = IndexCache("cache/").get_or_build("x", {"n": 3}, lambda: {"a": np.arange(3)})
+    """
+    if getattr(_HOLD, "entries", None) is not None:
+        yield
+        return
+    _HOLD.entries = []
+    try:
+        yield
+    finally:
+        entries, _HOLD.entries = _HOLD.entries, None
+        for args in entries:
+            _PENDING.append(_syncer().submit(_complete_entry, *args))
+
+
+def _complete_later(
+    paths: Mapping[str, Path], desc_path: Path, text: bytes, written: _Written, lock: contextlib.ExitStack
+) -> None:
+    """Hand an entry to the syncer thread now, or at the end of this thread's completing_after() block."""
+    held = getattr(_HOLD, "entries", None)
+    if held is None:
+        _PENDING.append(_syncer().submit(_complete_entry, paths, desc_path, text, written, lock))
+    else:
+        held.append((paths, desc_path, text, written, lock))
+
+
+def _complete_held(desc_path: Path) -> None:
+    """Submit this thread's held completions now if one of them is the entry at desc_path: its lock is held until
+    it completes, and taking it again in this thread would wait on ourselves."""
+    held = getattr(_HOLD, "entries", None)
+    if held and any(args[1] == desc_path for args in held):
+        for args in held:
+            _PENDING.append(_syncer().submit(_complete_entry, *args))
+        held.clear()
 
 
 def wait_for_index_caches() -> None:
