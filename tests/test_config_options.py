@@ -17,6 +17,7 @@ from corpusforge.iobench.config import BenchConfig
 from corpusforge.preprocess import PreprocessConfig
 from corpusforge.retro.build import BuildConfig
 from corpusforge.tokenizers.training import TrainTokenizerConfig
+from corpusforge.train.export_hf import ExportConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ def test_a_spec_for_a_field_that_does_not_exist_is_refused():
         ("preprocess", PreprocessConfig, {"inputs", "merge_on_workers", "level", "tokenizer_factory", "keep_empty"}),
         ("build-knn", BuildConfig, {"prefix"}),
         ("train-tokenizer", TrainTokenizerConfig, {"inputs"}),
+        ("export-hf", ExportConfig, {"run_dir"}),
     ],
 )  # fmt: skip
 def test_every_command_with_a_config_has_an_option_per_field(command, config, left_out):
