@@ -318,32 +318,51 @@ def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_sampl
         out[:] = 0
         return
     rows = out[1:]
+    positions, offsets = rows[:, 0], rows[:, 1]
     done = 0  # the rows filled: starts 1 .. done are placed
+    # A power-of-two seq_length divides by a shift (an arithmetic shift floors negatives, as // does).
+    seq = int(seq_length)
+    shift = seq.bit_length() - 1 if seq > 0 and seq & (seq - 1) == 0 else -1
     ends = np.empty(min(_STARTS_BLOCK, n) + 1, np.int64)  # ends[k + 1]: stream end of the block's document k;
     ends[0] = 0  # ends[0]: where the block starts
+    # The block's lengths, gathered by np.take into a reused buffer: lengths[index] makes a fresh array and checks
+    # its indices by a slower path (0.044 against 0.019 ms per block of 8,192 here).
+    gathered = np.empty(min(_STARTS_BLOCK, n), sequence_lengths.dtype)
     for a in range(0, n - 1, _STARTS_BLOCK):
         b = min(n - 1, a + _STARTS_BLOCK)
-        block_ends = ends[1 : b - a + 1]
-        np.cumsum(sequence_lengths[document_index[a:b]], dtype=np.int64, out=block_ends)
+        k = b - a
+        block_ends = ends[1 : k + 1]
+        np.take(sequence_lengths, document_index[a:b], out=gathered[:k])
+        np.cumsum(gathered[:k], dtype=np.int64, out=block_ends)
         block_ends += ends[0]
         covered = block_ends - extra  # starts j >= 1 below each document's end
-        covered //= seq_length
-        np.clip(covered, done, num_samples, out=covered)
+        if shift >= 0:
+            covered >>= shift
+        else:
+            covered //= seq_length
+        # covered never decreases (lengths are not negative): clamp only where an end is out of [done, num_samples]
+        if covered[0] < done:
+            np.maximum(covered, done, out=covered)
         top = int(covered[-1])
+        if top > num_samples:
+            np.minimum(covered, num_samples, out=covered)
+            top = num_samples
         if top > done:
-            covered -= done
-            local = np.cumsum(np.bincount(covered, minlength=top - done + 1)[: top - done])
-            rows[done:top, 0] = local + a
+            if done:
+                covered -= done
+            local = np.bincount(covered, minlength=top - done + 1)[: top - done]
+            np.cumsum(local, out=local)
+            np.add(local, a, out=positions[done:top], casting="unsafe")
             starts = np.arange((done + 1) * seq_length, (top + 1) * seq_length, seq_length, dtype=np.int64)
             starts -= ends[local]  # minus where its document begins
-            rows[done:top, 1] = starts
+            offsets[done:top] = starts
             done = top
-        ends[0] = ends[b - a]
+        ends[0] = ends[k]
     # The rest are clamped to the last document; a sample running past its end ends at (last, length - extra).
     end, last = int(ends[0]), int(sequence_lengths[document_index[n - 1]])
     tail = np.arange((done + 1) * seq_length, (num_samples + 1) * seq_length, seq_length, dtype=np.int64)
-    rows[done:, 0] = n - 1
-    rows[done:, 1] = np.where(tail + extra > end + last, last - extra, tail - end)
+    positions[done:] = n - 1
+    offsets[done:] = np.where(tail + extra > end + last, last - extra, tail - end)
 
 
 # Documents _sample_starts_numpy takes at a time (64 KiB temporaries of int64).

@@ -200,3 +200,19 @@ def test_a_blends_datasets_share_one_cache_entry_per_split_and_pickle_it_once(co
 
 
 SPLITS = ("train", "valid", "test")
+
+
+def test_entries_built_in_a_completing_after_block_complete_when_it_ends(tmp_path):
+    from corpusforge.data.cache import completing_after
+
+    cache = IndexCache(tmp_path)
+    with completing_after():
+        cache.get_or_build("x", {"n": 1}, lambda: {"a": np.arange(3)})
+        time.sleep(0.2)  # the syncer would have written the description by now, were it handed the entry
+        assert not list(tmp_path.glob("*-description.json"))
+        # The same entry again in this thread: its lock is ours until it completes, so it is completed first
+        arrays, built = cache.get_or_build("x", {"n": 1}, lambda: {"a": np.arange(4)})
+        assert not built and arrays["a"].tolist() == [0, 1, 2]
+        cache.get_or_build("y", {"n": 2}, lambda: {"a": np.arange(5)})
+    wait_for_index_caches()
+    assert len(list(tmp_path.glob("*-description.json"))) == 2
