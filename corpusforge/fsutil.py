@@ -89,21 +89,10 @@ def atomic_write(
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_write writes a new file: mode must be 'wb' or 'w', not {mode!r}")
-    path = Path(path)
-    tmp = temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
+    with atomic_path(path, durable=durable) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
             yield f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_dir(path.parent)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
