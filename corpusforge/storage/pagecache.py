@@ -31,9 +31,10 @@ def drop_page_cache(path: str | os.PathLike) -> None:
 _ONE_CALL_PAGES = 1 << 12
 
 
-def resident_fraction(path: str | os.PathLike, samples: int = 1024) -> float | None:
-    """The fraction of the file's pages in the page cache, estimated from `samples` evenly spaced pages (mincore;
-    no I/O, nothing read ahead). None where that cannot be asked (no mincore, a mapping refused).
+def resident_fraction(path: str | os.PathLike, samples: int = 1024, window: int = 1) -> float | None:
+    """The fraction of the file's pages in the page cache, estimated from `samples` evenly spaced windows of
+    `window` pages each (mincore, one call per window: a call costs ~4 us, a page in it ~0.1 us; no I/O, nothing
+    read ahead). None where that cannot be asked (no mincore, a mapping refused).
 
     Example: resident_fraction("out/corpus_text_document.bin") -> 1.0 right after preprocess wrote it
     """
@@ -53,18 +54,20 @@ def resident_fraction(path: str | os.PathLike, samples: int = 1024) -> float | N
     if base in (None, ctypes.c_void_p(-1).value):
         return None
     try:
-        picks = sorted({i * (pages - 1) // max(samples - 1, 1) for i in range(min(samples, pages))})
+        window = max(1, min(window, pages))
+        last = pages - window  # the first page of the last window
+        picks = sorted({i * last // max(samples - 1, 1) for i in range(min(samples, last + 1))})
         if pages <= _ONE_CALL_PAGES:  # one call for the whole file: a blend opens thousands of small ones
             flags = (ctypes.c_ubyte * pages)()
             if libc.mincore(ctypes.c_void_p(base), size, flags) != 0:
                 return None
-            return sum(flags[i] & 1 for i in picks) / len(picks)
-        flag, resident = ctypes.c_ubyte(), 0
+            return sum(flags[i + k] & 1 for i in picks for k in range(window)) / (len(picks) * window)
+        flags, resident = (ctypes.c_ubyte * window)(), 0
         for i in picks:
-            if libc.mincore(ctypes.c_void_p(base + i * page), page, ctypes.byref(flag)) != 0:
+            if libc.mincore(ctypes.c_void_p(base + i * page), window * page, flags) != 0:
                 return None
-            resident += flag.value & 1
-        return resident / len(picks)
+            resident += sum(f & 1 for f in flags)
+        return resident / (len(picks) * window)
     finally:
         libc.munmap(ctypes.c_void_p(base), size)
 
