@@ -27,6 +27,10 @@ from corpusforge.errors import CorpusforgeError
 T = TypeVar("T")
 
 
+class ConfigError(CorpusforgeError, ValueError):
+    """A configuration that cannot run: unknown key, wrong type, or values that do not fit together."""
+
+
 @cache
 def field_docs(cls: type) -> dict[str, str]:
     """The string right after each annotated field of a dataclass's source, cleaned of its indentation.

@@ -42,13 +42,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from corpusforge.configs import accepts, field_default, field_docs, from_table
-from corpusforge.errors import CorpusforgeError
+from corpusforge.configs import ConfigError, accepts, field_default, field_docs, from_table
 from corpusforge.storage import StorageConfig
-
-
-class ConfigError(CorpusforgeError, ValueError):
-    """A configuration that cannot run: unknown key, wrong type, or values that do not fit together."""
 
 
 class ConfigDeprecationWarning(FutureWarning):
@@ -495,7 +490,7 @@ def new_key(key: str) -> str:
 
 
 def _retro_presets() -> dict[str, dict]:
-    # retro_model imports this module (for ConfigError): imported when first asked, not at import time
+    # imported when first asked: retro_model brings torch, which reading a config must not pay for
     from corpusforge.train.retro_model import RETRO_PRESETS
 
     return RETRO_PRESETS

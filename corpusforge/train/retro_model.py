@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from corpusforge.train.config import ConfigError
+from corpusforge.configs import ConfigError
 from corpusforge.train.model import MLP, Block, GPTConfig, init_gpt2_weights, pad_vocab
 
 
