@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge.errors import ArgumentError, CorpusforgeError
-from corpusforge.fsutil import fsync_dir, fsync_path  # also read as indexed.fsync_dir by older callers
+from corpusforge.fsutil import fsync_dir, fsync_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
