@@ -37,6 +37,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import socket
@@ -245,12 +246,30 @@ def _write_arrays(
     try:
         for name, array in arrays.items():
             with atomic_write(paths[name], durable=False) as f:
-                np.save(f, array, allow_pickle=False)
+                _save_npy(f, array)
         written.ok = True
     except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
         _ERRORS.append((desc_path, e))
     finally:
         written.set()
+
+
+def _save_npy(f: Any, array: np.ndarray) -> None:
+    """np.save(f, array, allow_pickle=False), the same bytes: the header, then the array's memory in one write.
+    np.save hands a file object's descriptor to C stdio (dup, fdopen, seek, fclose) for each array: ~0.1 ms a file,
+    nine files per one-dataset build; a C-contiguous array of plain values needs none of that.
+
+    Example:
+        >>> with open("a.npy", "wb") as f:
+        ...     _save_npy(f, np.arange(3))
+    """
+    if array.dtype.hasobject or not array.flags.c_contiguous:
+        np.save(f, array, allow_pickle=False)  # refuses object arrays; writes other layouts as numpy does
+        return
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    f.write(header.getvalue())
+    f.write(array.reshape(-1).view(np.uint8))  # a view of its bytes, whatever the shape (empty too)
 
 
 def _complete_entry(

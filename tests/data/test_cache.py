@@ -216,3 +216,19 @@ def test_entries_built_in_a_completing_after_block_complete_when_it_ends(tmp_pat
         cache.get_or_build("y", {"n": 2}, lambda: {"a": np.arange(5)})
     wait_for_index_caches()
     assert len(list(tmp_path.glob("*-description.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    "array",
+    [np.arange(7, dtype=np.uint32), np.zeros((5, 2), np.int32), np.zeros((0, 2), np.int64), np.arange(9)[::2]],
+    ids=["1d", "2d", "empty", "strided"],
+)
+def test_cache_files_hold_the_bytes_np_save_writes(tmp_path, array):
+    import io
+
+    IndexCache(tmp_path).get_or_build("x", {"n": 1}, lambda: {"a": array})
+    wait_for_index_caches()
+    expected = io.BytesIO()
+    np.save(expected, array, allow_pickle=False)
+    (written,) = tmp_path.glob("*-a.npy")
+    assert written.read_bytes() == expected.getvalue()
