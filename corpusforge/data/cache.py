@@ -162,8 +162,7 @@ class IndexCache:
             lock.close()
             raise
         paths = {name: Path(f"{base}-{name}.npy") for name in arrays}
-        record = {"description": description, "arrays": sorted(arrays)}
-        text = json.dumps(record, indent=1, sort_keys=True).encode()
+        record = {"description": description, "arrays": sorted(arrays)}  # encoded by the syncer, off the build
         written = _Written()
         _WRITTEN.append(written)
         for name, array in arrays.items():
@@ -175,7 +174,7 @@ class IndexCache:
             _write_arrays(arrays, paths, written, desc_path, background=False)
         else:
             _writer().submit(_write_arrays, arrays, paths, written, desc_path)
-        _complete_later(paths, desc_path, text, written, lock)
+        _complete_later(paths, desc_path, record, written, lock)
         return arrays, True
 
     def wait(self) -> None:
@@ -273,7 +272,7 @@ def _save_npy(f: Any, array: np.ndarray) -> None:
 
 
 def _complete_entry(
-    paths: Mapping[str, Path], desc_path: Path, text: bytes, written: _Written, lock: contextlib.ExitStack
+    paths: Mapping[str, Path], desc_path: Path, record: dict, written: _Written, lock: contextlib.ExitStack
 ) -> None:
     """Once the arrays are written: fsync them and the directory, then write the description (fsync, rename,
     fsync); only then release the build lock."""
@@ -287,7 +286,7 @@ def _complete_entry(
             fsync_path(path)
         fsync_dir(desc_path.parent)
         with atomic_write(desc_path) as f:  # durable: fsync, rename, fsync of the directory
-            f.write(text)
+            f.write(json.dumps(record, indent=1, sort_keys=True).encode())
     except BaseException as e:
         _ERRORS.append((desc_path, e))
     finally:
@@ -322,14 +321,14 @@ def completing_after() -> Iterator[None]:
 
 
 def _complete_later(
-    paths: Mapping[str, Path], desc_path: Path, text: bytes, written: _Written, lock: contextlib.ExitStack
+    paths: Mapping[str, Path], desc_path: Path, record: dict, written: _Written, lock: contextlib.ExitStack
 ) -> None:
     """Hand an entry to the syncer thread now, or at the end of this thread's completing_after() block."""
     held = getattr(_HOLD, "entries", None)
     if held is None:
-        _PENDING.append(_syncer().submit(_complete_entry, paths, desc_path, text, written, lock))
+        _PENDING.append(_syncer().submit(_complete_entry, paths, desc_path, record, written, lock))
     else:
-        held.append((paths, desc_path, text, written, lock))
+        held.append((paths, desc_path, record, written, lock))
 
 
 def _complete_held(desc_path: Path) -> None:
