@@ -307,6 +307,10 @@ class RetroSection:
     """0-based decoder layers with chunked cross-attention; empty: Megatron's rule (from layer 6 when there are
     15 layers or fewer, else from layer 9, then every 3rd)."""
 
+    encoder_lr_scale: float = 0.1
+    """The retrieval encoder's learning rate as a fraction of the decoder's, in (0, 1]: at the full rate its output
+    collapsed to one vector whatever the neighbour (docs/training.md); 1.0 is Megatron's model."""
+
     random_eval: bool = True
     """Also compute the validation loss with each neighbour replaced by a random chunk of the database: the gap
     to the real neighbours' loss is what retrieval brings (logged as val_loss_random and retrieval_gain)."""

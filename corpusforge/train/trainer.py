@@ -109,7 +109,7 @@ def retro_config(cfg: TrainConfig) -> RetroConfig:
     r = cfg.retro
     keys = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias,
                 chunk_length=r.chunk_length, num_neighbours=r.num_neighbours,
-                retrieved_chunks=r.retrieved_chunks)  # fmt: skip
+                retrieved_chunks=r.retrieved_chunks, encoder_lr_scale=r.encoder_lr_scale)  # fmt: skip
     keys.update({k: getattr(r, k) for k in ("encoder_layers", "encoder_n_embd", "encoder_n_head") if getattr(r, k)})
     if r.cca_layers:
         keys["cca_layers"] = tuple(r.cca_layers)

@@ -219,3 +219,14 @@ def test_bad_storage_settings_are_config_errors(tmp_path, section, override, mes
     f.write_text(f'[data]\npath = "x"\n[storage]\n{section}\n')
     with pytest.raises(ConfigError, match=message):
         load_config(f, [override] if override else [])
+
+
+def test_retro_encoder_lr_scale_reaches_the_model_and_is_checked():
+    """[retro] encoder_lr_scale is the model's encoder learning-rate fraction; outside (0, 1] it is one line."""
+    from corpusforge.train.trainer import retro_config
+
+    cfg = load_config(CONFIGS / "retro-tiny-cpu.toml", ["retro.encoder_lr_scale=0.5", "retro.db=db/"])
+    assert retro_config(cfg).encoder_lr_scale == 0.5
+    assert retro_config(load_config(CONFIGS / "retro-tiny-cpu.toml", ["retro.db=db/"])).encoder_lr_scale == 0.1
+    with pytest.raises(ConfigError, match="encoder_lr_scale 1.5 must be in"):
+        retro_config(load_config(CONFIGS / "retro-tiny-cpu.toml", ["retro.encoder_lr_scale=1.5", "retro.db=db/"]))
