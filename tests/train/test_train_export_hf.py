@@ -14,8 +14,8 @@ from corpusforge.train.optim import make_optimizer
 from corpusforge.train.trainer import build_model, model_config
 
 FAMILIES = {
-    "gpt2": ['model_family="gpt2"', "bias=false"],  # no biases: the export writes GPT-2's as zeros
-    "llama": ['model_family="llama"', "n_head=4", "n_kv_head=2", "ffn_hidden=64"],
+    "gpt2": ['model.family="gpt2"', "model.bias=false"],  # no biases: the export writes GPT-2's as zeros
+    "llama": ['model.family="llama"', "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=64"],
 }
 
 

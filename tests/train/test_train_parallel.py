@@ -226,8 +226,8 @@ def test_dry_run_shows_each_ranks_layers_shard_and_memory(tmp_path):
     lines: list[str] = []
     cfg = load_config(
         CONFIGS / "llama3-8b.toml",
-        ["parallel.tp=2", "parallel.pp=2", "max_steps=1", "global_batch_tokens=131072", 'data_source="synthetic"',
-         'device="cpu"', 'dtype="bfloat16"', f'out_dir="{tmp_path}"'],
+        ["parallel.tp=2", "parallel.pp=2", "schedule.max_steps=1", "schedule.global_batch_tokens=131072",
+         'data.source="synthetic"', 'device="cpu"', 'dtype="bfloat16"', f'out_dir="{tmp_path}"'],
     )  # fmt: skip
     plan = train(cfg, dry_run=True, log=lines.append, world_size=8)
     assert plan["params"] == 8_030_261_248 and plan["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}

@@ -12,6 +12,7 @@ import trainkit
 
 from corpusforge.train import CheckpointError, load_config, train
 from corpusforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from corpusforge.train.config import new_key
 from corpusforge.train.metrics import read_metrics
 
 
@@ -24,7 +25,8 @@ def run(corpus, out_dir, *extra: str):
     overrides = trainkit.tiny_overrides(
         corpus, out_dir, max_steps=12, checkpoint_interval=4, eval_interval=4, dropout=0.1
     )
-    return train(load_config(None, [*overrides, *extra]), log=lambda line: None)
+    sections = [f"{new_key(k)}={v}" for k, v in (e.split("=", 1) for e in extra)]  # flat names, as sections
+    return train(load_config(None, [*overrides, *sections]), log=lambda line: None)
 
 
 def series(out_dir, kind="train", key="loss"):

@@ -20,6 +20,7 @@ from corpusforge.retro import BuildConfig
 from corpusforge.retro import build_knn as build
 from corpusforge.train import load_config, train
 from corpusforge.train.checkpoint import latest_checkpoint, load_meta
+from corpusforge.train.config import new_key
 from corpusforge.train.metrics import read_metrics
 from corpusforge.train.retro_model import flops_per_token
 from corpusforge.train.trainer import retro_config
@@ -63,7 +64,7 @@ def overrides(db: Path, out_dir: Path, **extra) -> list[str]:
               "eval_interval": 3, "checkpoint_interval": 3,
               "retro.db": f'"{db}"', "retro.chunk_length": M, "retro.cca_layers": "[1]", **extra}  # fmt: skip
     base = [o for o in trainkit.tiny_overrides("", out_dir) if not o.startswith("data.path")]
-    return base + [f"{k}={v}" for k, v in values.items()]
+    return base + [f"{new_key(k)}={v}" for k, v in values.items()]  # the tests' flat names, written as sections
 
 
 def run(db: Path, out_dir: Path, **extra) -> dict:
@@ -77,7 +78,7 @@ def series(out_dir: Path, kind: str, key: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_cli_trains_on_the_database_and_reports_the_retrieval_gap(corpus, db, tmp_path):
     out = tmp_path / "run"
-    args = [*overrides(db, out, max_steps=12, eval_interval=6, global_batch_tokens=512), f'data_path="{corpus}"']
+    args = [*overrides(db, out, max_steps=12, eval_interval=6, global_batch_tokens=512), f'data.path="{corpus}"']
     done = subprocess.run([sys.executable, "-m", "corpusforge.train", "--config", str(CONFIG), *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
