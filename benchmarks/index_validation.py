@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(HERE))
 from bench_preprocess import machine_info  # noqa: E402
 
 from corpusforge import indexed  # noqa: E402
+from corpusforge.storage.pagecache import drop_page_cache  # noqa: E402
 
 WORK = HERE / "work" / "index-validation"
 
@@ -63,16 +63,6 @@ def make_dataset(directory: Path, documents: int, seed: int = 0) -> Path:
     return prefix
 
 
-def drop_cache(path: Path) -> None:
-    """Evict one file's clean pages (not the whole machine's cache: others work on it too)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def megatron_open(prefix: Path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -89,7 +79,7 @@ VARIANTS = {
 def time_call(fn, prefix: Path, cold: bool) -> float:
     gc.collect()  # the last round's maps are gone, so their pages can be dropped
     if cold:
-        drop_cache(Path(f"{prefix}.idx"))
+        drop_page_cache(Path(f"{prefix}.idx"))
     t0 = time.perf_counter()
     ds = fn(prefix)
     seconds = time.perf_counter() - t0
@@ -111,7 +101,7 @@ def check_only(prefix: Path) -> float:
 def read_cold(prefix: Path) -> float:
     """The I/O floor: read the whole .idx from the disk, sequentially, 64 MiB at a time."""
     path = Path(f"{prefix}.idx")
-    drop_cache(path)
+    drop_page_cache(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(64 << 20):

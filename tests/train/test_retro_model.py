@@ -279,21 +279,16 @@ def _tasks(cfg: RetroConfig, steps: int, batch: int, seed: int):
         yield text[:, :-1], text[:, 1:].contiguous(), nb
 
 
-@pytest.mark.slow
-def test_retrieval_lowers_the_loss_below_a_gpt_of_the_same_decoder():
-    """60 AdamW steps each, same seed, same batches: RETRO below the GPT of its decoder on held-out batches with
-    their own neighbours, and no better than it with another batch's neighbours. A 2-layer decoder with its CCA in
-    layer 1 (cca_layers): Megatron's rule needs 6 layers, three times the seconds for the same effect here."""
-    cfg = RetroConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=32, block_size=32, chunk_length=M, cca_layers=(1,))
-    x, y, nb = next(_tasks(cfg, steps=1, batch=64, seed=99))
-    _, _, other_nb = next(_tasks(cfg, steps=1, batch=64, seed=98))
+def _train_gpt_and_retro(cfg, make_opt, batches, x, y, nb, other_nb) -> dict[str, float]:
+    """The GPT of cfg's decoder and RETRO, each from seed 0 with `make_opt(model)` on the same `batches()`; their
+    losses on (x, y): the GPT's, RETRO's with `nb`, and RETRO's with `other_nb` in their place."""
     mask = torch.ones_like(y, dtype=torch.float32)
     results = {}
     for kind in ("gpt", "retro"):
         torch.manual_seed(0)
         model = GPT(cfg.decoder()) if kind == "gpt" else RetroModel(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        for xs, ys, nbs in _tasks(cfg, steps=60, batch=16, seed=1):
+        opt = make_opt(model)
+        for xs, ys, nbs in batches():
             loss = loss_fn(model(xs) if kind == "gpt" else model(xs, nbs), ys, torch.ones_like(ys, dtype=torch.float32))
             opt.zero_grad()
             loss.backward()
@@ -304,6 +299,19 @@ def test_retrieval_lowers_the_loss_below_a_gpt_of_the_same_decoder():
             else:
                 results["retro"] = loss_fn(model(x, nb), y, mask).item()
                 results["retro, random neighbours"] = loss_fn(model(x, other_nb), y, mask).item()
+    return results
+
+
+@pytest.mark.slow
+def test_retrieval_lowers_the_loss_below_a_gpt_of_the_same_decoder():
+    """60 AdamW steps each, same seed, same batches: RETRO below the GPT of its decoder on held-out batches with
+    their own neighbours, and no better than it with another batch's neighbours. A 2-layer decoder with its CCA in
+    layer 1 (cca_layers): Megatron's rule needs 6 layers, three times the seconds for the same effect here."""
+    cfg = RetroConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=32, block_size=32, chunk_length=M, cca_layers=(1,))
+    x, y, nb = next(_tasks(cfg, steps=1, batch=64, seed=99))
+    _, _, other_nb = next(_tasks(cfg, steps=1, batch=64, seed=98))
+    adamw = lambda model: torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)  # noqa: E731
+    results = _train_gpt_and_retro(cfg, adamw, lambda: _tasks(cfg, steps=60, batch=16, seed=1), x, y, nb, other_nb)
     # measured here: gpt 3.12, retro 2.83 (uniform: ln 32 = 3.47)
     assert results["retro"] < results["gpt"] - 0.15, results
     assert results["retro, random neighbours"] > results["gpt"] - 0.05, results
@@ -340,25 +348,15 @@ def test_the_neighbours_continuation_is_copied_when_it_is_the_next_chunk():
     train = TrainConfig(optimizer=OptimizerSection(lr=3e-3, weight_decay=0.0))
     x, y, nb = next(_copy_batches(cfg, steps=1, batch=64, seed=99))
     random_nb = torch.randint(0, cfg.vocab_size, nb.shape, generator=torch.Generator().manual_seed(98))
-    mask = torch.ones_like(y, dtype=torch.float32)
-    results = {}
-    for kind in ("gpt", "retro"):
-        torch.manual_seed(0)
-        model = GPT(cfg.decoder()) if kind == "gpt" else RetroModel(cfg)
+
+    def scaled(model: torch.nn.Module) -> torch.optim.Optimizer:
         opt = make_optimizer(model, train, torch.device("cpu"))
         for group in opt.param_groups:
             group["lr"] = 3e-3 * group.get("lr_scale", 1.0)  # as trainer.train_step sets it
-        for xs, ys, nbs in _copy_batches(cfg, steps=300, batch=16, seed=1):
-            loss = loss_fn(model(xs) if kind == "gpt" else model(xs, nbs), ys, torch.ones_like(ys, dtype=torch.float32))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            if kind == "gpt":
-                results["gpt"] = loss_fn(model(x), y, mask).item()
-            else:
-                results["retro"] = loss_fn(model(x, nb), y, mask).item()
-                results["retro, random neighbours"] = loss_fn(model(x, random_nb), y, mask).item()
+        return opt
+
+    batches = lambda: _copy_batches(cfg, steps=300, batch=16, seed=1)  # noqa: E731
+    results = _train_gpt_and_retro(cfg, scaled, batches, x, y, nb, random_nb)
     # ln 64 = 4.16 for every token the neighbours do not give (the first m-1 of 16): the floor is 7/16 * 4.16 = 1.82
     assert results["gpt"] > 4.0, results
     assert results["retro"] < results["gpt"] - 1.0, results
