@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from corpusforge.data.batch import RawBatch, assemble
 from corpusforge.data.cache import IndexCache, picklable, unpickled
 from corpusforge.data.gpt_dataset import GPTDataset, prefetch_upcoming
 from corpusforge.errors import ArgumentError
-from corpusforge.jit import njit, ready
+from corpusforge.jit import njit
 
 # ---------------------------------------------------------------------------------------------------------------
 # the blend list
@@ -199,22 +198,6 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
         w = np.asarray(weights, dtype=np.float64)
         _fill_blocks(dataset_index, dataset_sample_index, w, np.full(len(w), np.iinfo(np.int64).max), size)
     return dataset_index, dataset_sample_index
-
-
-def load_kernel_in_background() -> threading.Thread | None:
-    """Start loading the blending kernel (numba's start-up, ~0.6-1.5 s in a fresh process) on a thread, so that it
-    overlaps the opening of a blend's datasets and their index builds, which wait on files more than on the
-    interpreter; None where it is loaded already. The blend's build then finds it ready. Not a daemon: a process
-    that exits sooner waits for it rather than tearing the interpreter down under LLVM.
-
-    Example:
-        >>> loading = load_kernel_in_background()
-    """
-    if ready(_fill_blocks):
-        return None
-    thread = threading.Thread(target=build_blending_indices, args=([0.5, 0.5], 2), name="blend-kernel")
-    thread.start()
-    return thread
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,6 @@ from typing import Any
 
 from corpusforge.data.blended import (
     BlendedDataset,
-    load_kernel_in_background,
     normalize,
     parse_blend,
     samples_per_dataset,
@@ -122,8 +121,6 @@ def build_gpt_datasets(
     if any(s is not None and s < 0 for s in sizes):
         raise ValueError(f"num_samples must not be negative: {num_samples!r}")
     prefixes, weights = parse_blend(blend)
-    if len(prefixes) > 1:
-        load_kernel_in_background()  # numba's start-up overlaps the opening and the datasets' index builds
     indexed = open_datasets(prefixes, storage)  # every missing file is reported before any work
     cache = IndexCache(cache_dir)
     with completing_after():  # the cache entries' fsyncs start once every split is built, not between them
