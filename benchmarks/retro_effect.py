@@ -91,10 +91,10 @@ def batches(loader, n: int) -> list[dict]:
     return [next(it) for _ in range(n)]
 
 
-def to_model(batch: dict) -> dict:
-    out = {k: batch[k] for k in ("loss_mask", "neighbour_mask")}
+def to_model(batch: dict, device: torch.device = torch.device("cpu")) -> dict:
+    out = {k: batch[k].to(device, non_blocking=True) for k in ("loss_mask", "neighbour_mask")}
     for k in ("tokens", "labels", "position_ids", "neighbours"):
-        out[k] = batch[k].long()
+        out[k] = batch[k].to(device, non_blocking=True).long()
     return out
 
 
@@ -112,15 +112,18 @@ def evaluate(model, valid: list[dict], retro: bool) -> float:
     return sum(losses) / len(losses)
 
 
-def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid: dict, retro: bool) -> dict:
+def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid: dict, retro: bool,
+              device: torch.device) -> dict:
     torch.manual_seed(cfg.seed)
-    opt = make_optimizer(model, cfg, torch.device("cpu"))
+    model.to(device)
+    opt = make_optimizer(model, cfg, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     it = iter(loader)
     waits, curve = [], []
     t_train = 0.0
     for step in range(steps):
         t0 = time.perf_counter()
-        b = to_model(next(it))
+        b = to_model(next(it), device)
         t1 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)  # RETRO's encoder group: a fraction
@@ -129,6 +132,8 @@ def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            sync()  # the timed span ends with the GPU's work, not its queue (cheap: once per evaluation)
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         t_train += t2 - t0
@@ -156,6 +161,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--n-embd", type=int, default=64, help="decoder (and encoder) width; 6 layers, 4 heads")
     ap.add_argument("--seq-length", type=int, default=128, help="a multiple of the chunk length, 64")
+    ap.add_argument("--batch", type=int, default=8, help="samples per step")
+    ap.add_argument("--workers", type=int, default=1, help="loader worker processes")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way: a tiny model, same numerics)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -175,31 +183,34 @@ def main() -> None:
     overrides = [f'retro.db="{db}"', f"model.vocab_size={args.vocab}", "model.name=\"retro\"", "model.n_layer=6",
                  "model.n_head=4",
                  f"model.n_embd={args.n_embd}", "retro.encoder_n_embd=0", f"model.seq_length={args.seq_length}",
-                 "schedule.micro_batch_size=8", f"schedule.global_batch_tokens={8 * args.seq_length}",
+                 f"schedule.micro_batch_size={args.batch}", f"schedule.global_batch_tokens={args.batch * args.seq_length}",
                  f"schedule.max_steps={args.steps}",
                  f"schedule.warmup_steps={max(1, args.steps // 20)}", "optimizer.lr=3e-3", "schedule.min_lr=3e-4",
                  "metrics.eval_batches=8",
-                 "metrics.eval_interval=1", "data.num_workers=1", 'device="cpu"', "compile=false",
+                 "metrics.eval_interval=1", f"data.num_workers={args.workers}", f'device="{args.device}"', "compile=false",
                  'data.split="95,5,0"',
                  f"seed={args.seed}", 'data.path=""']  # fmt: skip
     cfg = load_config("configs/retro-tiny-cpu.toml", overrides)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both machines, so the figures compare
     rc = retro_config(cfg)
     data = build_retro_data(cfg, 0, 1)
-    valid = {"val_loss": [to_model(b) for b in batches(data.valid, cfg.metrics.eval_batches)]}
-    valid_random = [to_model(b) for b in batches(data.valid_random, cfg.metrics.eval_batches)]
+    valid = {"val_loss": [to_model(b, device) for b in batches(data.valid, cfg.metrics.eval_batches)]}
+    valid_random = [to_model(b, device) for b in batches(data.valid_random, cfg.metrics.eval_batches)]
     results = {}
     torch.manual_seed(cfg.seed)
     gpt = GPT(GPTConfig(rc.n_layer, rc.n_head, rc.n_embd, rc.vocab_size, rc.block_size, 0.0, rc.bias))
     results["gpt"] = train_one("gpt", gpt, cfg, build_retro_data(cfg, 0, 1).train, args.steps, args.eval_every,
-                               valid, retro=False)  # fmt: skip
+                               valid, retro=False, device=device)  # fmt: skip
     torch.manual_seed(cfg.seed)
     retro = RetroModel(rc)
     results["retro"] = train_one("retro", retro, cfg, build_retro_data(cfg, 0, 1).train, args.steps,
-                                 args.eval_every, {**valid, "val_loss_random": valid_random}, retro=True)  # fmt: skip
+                                 args.eval_every, {**valid, "val_loss_random": valid_random}, retro=True, device=device)  # fmt: skip
     final_gpt = results["gpt"]["curve"][-1]["val_loss"]
     final = results["retro"]["curve"][-1]
     report = {
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"},
         "date": time.strftime("%Y-%m-%d"),
         "corpus": corpus,
         "model": {
@@ -210,6 +221,7 @@ def main() -> None:
             "seq_length": cfg.model.seq_length,
             "encoder_lr_scale": rc.encoder_lr_scale,  # and a LayerNorm on the encoder's input (retro_model.Encoder)
         },  # fmt: skip
+        "batch": cfg.schedule.micro_batch_size,
         "tokens_trained": args.steps * cfg.schedule.micro_batch_size * cfg.model.seq_length,
         "val_loss": {"gpt": final_gpt, "retro": final["val_loss"], "retro_random_neighbours": final["val_loss_random"]},
         "unigram_entropy": math.log(args.vocab),
