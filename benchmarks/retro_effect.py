@@ -91,7 +91,8 @@ def batches(loader, n: int) -> list[dict]:
     return [next(it) for _ in range(n)]
 
 
-def to_model(batch: dict, device: torch.device = torch.device("cpu")) -> dict:
+def to_model(batch: dict, device: torch.device | None = None) -> dict:
+    device = device or torch.device("cpu")
     out = {k: batch[k].to(device, non_blocking=True) for k in ("loss_mask", "neighbour_mask")}
     for k in ("tokens", "labels", "position_ids", "neighbours"):
         out[k] = batch[k].to(device, non_blocking=True).long()
@@ -112,8 +113,9 @@ def evaluate(model, valid: list[dict], retro: bool) -> float:
     return sum(losses) / len(losses)
 
 
-def train_one(name: str, model, cfg, loader, steps: int, eval_every: int, valid: dict, retro: bool,
-              device: torch.device) -> dict:
+def train_one(
+    name: str, model, cfg, loader, steps: int, eval_every: int, valid: dict, retro: bool, device: torch.device
+) -> dict:
     torch.manual_seed(cfg.seed)
     model.to(device)
     opt = make_optimizer(model, cfg, device)
@@ -183,11 +185,13 @@ def main() -> None:
     overrides = [f'retro.db="{db}"', f"model.vocab_size={args.vocab}", "model.name=\"retro\"", "model.n_layer=6",
                  "model.n_head=4",
                  f"model.n_embd={args.n_embd}", "retro.encoder_n_embd=0", f"model.seq_length={args.seq_length}",
-                 f"schedule.micro_batch_size={args.batch}", f"schedule.global_batch_tokens={args.batch * args.seq_length}",
+                 f"schedule.micro_batch_size={args.batch}",
+                 f"schedule.global_batch_tokens={args.batch * args.seq_length}",
                  f"schedule.max_steps={args.steps}",
                  f"schedule.warmup_steps={max(1, args.steps // 20)}", "optimizer.lr=3e-3", "schedule.min_lr=3e-4",
                  "metrics.eval_batches=8",
-                 "metrics.eval_interval=1", f"data.num_workers={args.workers}", f'device="{args.device}"', "compile=false",
+                 "metrics.eval_interval=1", f"data.num_workers={args.workers}", f'device="{args.device}"',
+                 "compile=false",
                  'data.split="95,5,0"',
                  f"seed={args.seed}", 'data.path=""']  # fmt: skip
     cfg = load_config("configs/retro-tiny-cpu.toml", overrides)
@@ -205,12 +209,17 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     retro = RetroModel(rc)
     results["retro"] = train_one("retro", retro, cfg, build_retro_data(cfg, 0, 1).train, args.steps,
-                                 args.eval_every, {**valid, "val_loss_random": valid_random}, retro=True, device=device)  # fmt: skip
+                                 args.eval_every, {**valid, "val_loss_random": valid_random}, retro=True,
+                                 device=device)  # fmt: skip
     final_gpt = results["gpt"]["curve"][-1]["val_loss"]
     final = results["retro"]["curve"][-1]
     report = {
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        },
         "date": time.strftime("%Y-%m-%d"),
         "corpus": corpus,
         "model": {
