@@ -1,11 +1,11 @@
 """Part 3: a RETRO model training step on one GPU (corpusforge/train/retro_model.py): tokens/s and MFU.
 
-Optional: skipped with the reason while corpusforge.train has no RETRO model. The trainer does not drive RETRO yet,
-so the step is written here as the trainer writes its own (bf16 autocast, fp32 loss, AdamW, grad clipping): random
-tokens and random neighbours already on the GPU, K = 2 neighbours of R = 128 tokens per 64-token chunk. Full mode:
-retro-172m (the paper's smallest decoder with retrieval), sequence 2048, eager and then, with time left,
-torch.compile; smoke mode: retro-tiny-cpu on CPU. FLOPs per token from retro_model.flops_per_token (encoder and
-cross-attention counted).
+Optional: skipped with the reason while corpusforge.train has no RETRO model. The step is written here as the trainer
+writes its own (bf16 autocast, fp32 loss, AdamW, grad clipping) rather than run through `train`, because a retrieval
+database needs faiss, which the GPU machine lacks (part 4): random tokens and random neighbours already on the GPU,
+K = 2 neighbours of R = 128 tokens per 64-token chunk. Full mode: retro-172m (the paper's smallest decoder with
+retrieval), sequence 2048, eager and then, with time left, torch.compile; smoke mode: retro-tiny-cpu on CPU. FLOPs
+per token from retro_model.flops_per_token (encoder and cross-attention counted).
 """
 
 from __future__ import annotations
