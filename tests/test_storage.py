@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from corpusforge.data import build_gpt_datasets, read_modes
-from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter
+from corpusforge.indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError
 from corpusforge.storage import READ_MODES, LocalCache, StorageConfig, open_dataset
+from corpusforge.storage.datasets import open_datasets
 from corpusforge.storage.pagecache import drop_page_cache, resident_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +178,67 @@ def test_cold_auto_reads_at_most_twice_the_sample_bytes_of_a_file_larger_than_th
     if read == 0:
         pytest.skip("this file system does not account block reads in /proc/self/io")
     assert ds.read_mode == "direct" and read <= 2 * int(lengths.sum()) * 2, read
+
+
+def small_blend(where: Path, count: int = 12) -> list[str]:
+    return [write_corpus(where / f"s{k:02d}_text_document", num_docs=40, seed=k) for k in range(count)]
+
+
+def test_a_blend_of_small_files_gets_one_read_mode_for_all_cold_and_warm(tmp_path):
+    prefixes = small_blend(tmp_path)
+    for p in prefixes:
+        drop_page_cache(f"{p}.bin")
+    cold = open_datasets(prefixes)
+    assert {ds.read_mode for ds in cold} == {"direct"}, cold[0].read_mode_reason
+    reason = cold[0].read_mode_reason
+    assert reason.startswith("auto: the 12 small .bin files of the blend together") and "0% of it is cached" in reason
+    assert {ds.read_mode_reason for ds in cold} == {reason}
+    for p in prefixes:
+        with open(f"{p}.bin", "rb") as f:
+            f.read()
+    warm = open_datasets(prefixes)
+    assert {ds.read_mode for ds in warm} == {"mmap-random"}, warm[0].read_mode_reason
+    assert "100% of it is cached" in warm[0].read_mode_reason
+    for a, b in zip(cold, warm):  # the same tokens either way, and as a dataset opened alone reads them
+        alone = open_dataset(a.source, StorageConfig(read_mode="mmap"))
+        starts, lengths = np.array([0, 7, alone.num_tokens - 5]), np.array([3, 11, 5])
+        expect = alone.read_spans(starts, lengths)
+        np.testing.assert_array_equal(a.read_spans(starts, lengths), expect)
+        np.testing.assert_array_equal(b.read_spans(starts, lengths), expect)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cold[3])).read_mode == "direct"  # workers read in the mode chosen here
+
+
+def test_a_blend_whose_small_files_together_exceed_the_budget_reads_them_with_o_direct(tmp_path):
+    prefixes = small_blend(tmp_path)
+    one = os.path.getsize(f"{prefixes[0]}.bin")
+    opened = open_datasets(prefixes, StorageConfig(auto_direct_above_bytes=3 * one))  # each fits, all do not
+    assert {ds.read_mode for ds in opened} == {"direct"}
+    assert "exceeds the page-cache budget" in opened[0].read_mode_reason
+
+
+def test_a_blend_reports_the_first_missing_file_in_its_order(tmp_path):
+    prefixes = small_blend(tmp_path)
+    os.remove(f"{prefixes[5]}.bin")
+    os.remove(f"{prefixes[9]}.idx")
+    with pytest.raises(FileNotFoundError, match=r"s05_text_document.*missing .*s05_text_document\.bin"):
+        open_datasets(prefixes)
+
+
+def test_a_mapped_bin_that_changed_size_after_the_open_is_refused_before_a_sample_is_read(corpus, tmp_path):
+    for ext in ("bin", "idx"):
+        shutil.copy(f"{corpus}.{ext}", tmp_path / f"c_text_document.{ext}")
+    prefix = str(tmp_path / "c_text_document")
+    ds = open_dataset(prefix, StorageConfig(read_mode="mmap-random"))  # the .bin is mapped at the first read
+    with open(f"{prefix}.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(IndexedFormatError, match="bytes now, but .* when its dataset was opened"):
+        ds.read_spans(np.array([0]), np.array([3]))
+    with open(f"{prefix}.bin", "ab") as f:  # a size that disagrees with the index at the open is refused there
+        f.write(b"\0\0")
+    with pytest.raises(IndexedFormatError, match="the index covers"):
+        open_dataset(prefix, StorageConfig(read_mode="mmap-random"))
 
 
 def read_bytes() -> int:

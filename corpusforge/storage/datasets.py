@@ -12,12 +12,15 @@ Example:
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Sequence
 from dataclasses import replace
 
 from corpusforge.fsutil import is_url
-from corpusforge.indexed import HEADER_SIZE, IndexedDataset, IndexedFormatError, idx_path, parse_header, read_header
+from corpusforge.indexed import IndexedDataset, IndexedFormatError, OpenedIndex, open_index
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.local_cache import LocalCache, ReaderPin
+from corpusforge.storage.read_mode import SMALL_GROUP_MIN, choose_read_modes
 from corpusforge.storage.readers import open_reader
 from corpusforge.storage.remote import fetch_index
 
@@ -48,18 +51,75 @@ def open_dataset(prefix: str | os.PathLike, config: StorageConfig | None = None)
     return _open(text, config, text)
 
 
-def _open(prefix: str, config: StorageConfig, source: str, pin: ReaderPin | None = None) -> IndexedDataset:
-    """Open `prefix` (local, or a URL) with the reader `config` calls for, validate it, and record how a pickled
-    copy reopens it: by its source, in the read mode chosen here (a worker re-running "auto" could see another
-    MemAvailable and choose otherwise). `pin` (a local cache entry's) is closed if the dataset is refused."""
+def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig | None = None) -> list[IndexedDataset]:
+    """open_dataset of each prefix, in order; the first error in the order of the prefixes is raised.
+
+    A blend of many local datasets read with "auto" is opened as one: each .bin stat'ed once, the read mode of its
+    small files decided once for all of them (read_mode.choose_read_modes), not with a mincore probe and an O_DIRECT
+    probe per file. One thread: an open is mostly Python holding the GIL, so threads made a 2,500-dataset blend's
+    opening 2x slower on a quiet machine (5.1 s against 2.5 s), however well they looked under load.
+
+    Example:
+        >>> [len(ds) for ds in open_datasets(["out/a_text_document", "out/b_text_document"])]
+        [1000, 400]
+    """
+    config = config or StorageConfig()
+    texts = [os.fspath(p).removeprefix("file://") for p in prefixes]
+    grouped = config.read_mode == "auto" and config.local_cache_dir is None and len(texts) >= SMALL_GROUP_MIN
+    found = _stat_bins(texts) if grouped and not any(map(is_url, texts)) else None
+    if found is None:  # one by one: a missing file is then reported in the order of the prefixes
+        return [open_dataset(p, config) for p in prefixes]
+    sizes, devices = found
+    choices = choose_read_modes([f"{t}.bin" for t in texts], config, sizes, devices)
+    out: list[IndexedDataset] = []
+    try:
+        for text, choice, size in zip(texts, choices, sizes):
+            out.append(_open(text, config, text, choice=choice, nbytes=size))
+    except BaseException:
+        for ds in out:
+            ds.close()
+        raise
+    return out
+
+
+def _stat_bins(prefixes: list[str]) -> tuple[list[int], list[int]] | None:
+    """The size and device of each prefix's .bin, after checking that its .idx exists; None if a file is missing
+    (or is no regular file)."""
+    sizes, devices = [], []
+    try:
+        for prefix in prefixes:
+            if not stat.S_ISREG(os.stat(f"{prefix}.idx").st_mode):
+                return None
+            info = os.stat(f"{prefix}.bin")
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            sizes.append(info.st_size)
+            devices.append(info.st_dev)
+    except OSError:
+        return None
+    return sizes, devices
+
+
+def _open(
+    prefix: str,
+    config: StorageConfig,
+    source: str,
+    pin: ReaderPin | None = None,
+    choice: tuple[str, str] | None = None,
+    nbytes: int | None = None,
+) -> IndexedDataset:
+    """Open `prefix` (local, or a URL) with the reader `config` calls for (or `choice`, a read mode decided for a
+    blend, with `nbytes` the size of its .bin), validate it, and record how a pickled copy reopens it: by its
+    source, in the read mode chosen here (a worker re-running "auto" could see another MemAvailable and choose
+    otherwise). `pin` (a local cache entry's) is closed if the dataset is refused."""
     try:
         if is_url(prefix):
             index, fs = fetch_index(prefix, config.storage_options)
-            dtype = parse_header(index[:HEADER_SIZE], f"{prefix}.idx").dtype
+            opened = OpenedIndex.from_bytes(index, f"{prefix}.idx")
         else:
-            index, fs, dtype = None, None, read_header(idx_path(prefix)).dtype
-        reader = open_reader(f"{prefix}.bin", dtype, config, fs)
-        ds = IndexedDataset(prefix, check=False, reader=reader, index=index, pin=pin)
+            opened, fs = open_index(prefix), None
+        reader = open_reader(f"{prefix}.bin", opened.header.dtype, config, fs, choice, nbytes)
+        ds = IndexedDataset(prefix, check=False, reader=reader, index=opened, pin=pin)
     except BaseException:
         if pin is not None:
             pin.close()  # a refused dataset is not being read: let the cache evict it

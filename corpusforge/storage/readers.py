@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from corpusforge.fsutil import is_url
-from corpusforge.indexed import BinReader, MMapBinReader
+from corpusforge.indexed import BinReader, MMapBinReader, regular_file_size
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.read_mode import choose_read_mode, logical_block_size
 from corpusforge.storage.remote import RemoteBinReader
@@ -49,9 +48,14 @@ class PreadBinReader(BinReader):
     flags = 0  # os.open flags beyond O_RDONLY
 
     def __init__(
-        self, path: Path, dtype: np.dtype, read_mode: str = "pread", read_mode_reason: str = "configured"
+        self,
+        path: str | os.PathLike,
+        dtype: np.dtype,
+        read_mode: str = "pread",
+        read_mode_reason: str = "configured",
+        nbytes: int | None = None,
     ) -> None:
-        super().__init__(path, dtype, path.stat().st_size)
+        super().__init__(path, dtype, regular_file_size(os.fspath(path)) if nbytes is None else nbytes)
         self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
         self._fd: int | None = None
         self._fd_pid = -1
@@ -97,9 +101,14 @@ class DirectBinReader(PreadBinReader):
     flags = os.O_DIRECT
 
     def __init__(
-        self, path: Path, dtype: np.dtype, read_mode: str = "direct", read_mode_reason: str = "configured"
+        self,
+        path: str | os.PathLike,
+        dtype: np.dtype,
+        read_mode: str = "direct",
+        read_mode_reason: str = "configured",
+        nbytes: int | None = None,
     ) -> None:
-        super().__init__(path, dtype, read_mode, read_mode_reason)
+        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
         self._align = logical_block_size(path)
 
     def _read_into(self, fd: int, starts: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -134,10 +143,19 @@ LOCAL_READERS: dict[str, type[BinReader]] = {
 }
 
 
-def open_reader(location: str | os.PathLike, dtype: np.dtype, config: StorageConfig, fs: Any = None) -> BinReader:
+def open_reader(
+    location: str | os.PathLike,
+    dtype: np.dtype,
+    config: StorageConfig,
+    fs: Any = None,
+    choice: tuple[str, str] | None = None,
+    nbytes: int | None = None,
+) -> BinReader:
     """The reader of the .bin at `location` (a path or an fsspec URL) under `config`; "auto" resolved here, from
     the file as it is now, so call this before anything reads the .bin (validation's token sample caches pages).
-    `fs`: the fsspec file system that fetched the .idx, reused for a URL.
+    `fs`: the fsspec file system that fetched the .idx, reused for a URL. `choice`: the (mode, reason) "auto" has
+    already resolved to (read_mode.choose_read_modes, for a blend), and `nbytes` the size of the .bin, where the
+    caller has them.
 
     Example:
         >>> open_reader("out/a_text_document.bin", np.dtype(np.uint16), StorageConfig()).read_mode
@@ -145,8 +163,13 @@ def open_reader(location: str | os.PathLike, dtype: np.dtype, config: StorageCon
     """
     if is_url(location):
         return RemoteBinReader(os.fspath(location), dtype, config, fs)
-    if config.read_mode == "auto":
-        mode, reason = choose_read_mode(location, config)
+    location = os.fspath(location)
+    if nbytes is None:
+        nbytes = regular_file_size(location)
+    if choice is not None:
+        mode, reason = choice
+    elif config.read_mode == "auto":
+        mode, reason = choose_read_mode(location, config, nbytes)
     else:
         mode, reason = config.read_mode, "configured"
-    return LOCAL_READERS[mode](Path(location), dtype, mode, reason)
+    return LOCAL_READERS[mode](location, dtype, mode, reason, nbytes)
