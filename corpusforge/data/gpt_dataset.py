@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -165,6 +166,12 @@ def parse_split(split: str) -> list[float]:
         >>> parse_split("99,1")
         [0.99, 0.01, 0.0]
     """
+    return list(_parse_split(split))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_split(split: str) -> tuple[float, ...]:
+    """parse_split, once per split string: a blend asks it for each of its thousands of datasets (a regex each)."""
     parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not 1 <= len(parts) <= 3:
         raise ArgumentError(f"split {split!r}: give one to three comma-separated weights for train,valid,test")
@@ -172,7 +179,7 @@ def parse_split(split: str) -> list[float]:
     total = float(np.sum(np.array(parts, dtype=np.float64)))
     if total <= 0:
         raise ArgumentError(f"split {split!r}: the weights must sum to a positive number")
-    return (np.array(parts, dtype=np.float64) / total).tolist()
+    return tuple((np.array(parts, dtype=np.float64) / total).tolist())
 
 
 def split_ranges(split: str, num_sequences: int) -> list[tuple[int, int] | None]:

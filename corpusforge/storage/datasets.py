@@ -72,9 +72,10 @@ def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig |
     sizes, devices = found
     choices = choose_read_modes([f"{t}.bin" for t in texts], config, sizes, devices)
     out: list[IndexedDataset] = []
+    reopen_configs: dict[str, StorageConfig] = {}  # one per read mode, not a dataclass replace per dataset
     try:
         for text, choice, size in zip(texts, choices, sizes):
-            out.append(_open(text, config, text, choice=choice, nbytes=size))
+            out.append(_open(text, config, text, choice=choice, nbytes=size, reopen_configs=reopen_configs))
     except BaseException:
         for ds in out:
             ds.close()
@@ -107,6 +108,7 @@ def _open(
     pin: ReaderPin | None = None,
     choice: tuple[str, str] | None = None,
     nbytes: int | None = None,
+    reopen_configs: dict[str, StorageConfig] | None = None,
 ) -> IndexedDataset:
     """Open `prefix` (local, or a URL) with the reader `config` calls for (or `choice`, a read mode decided for a
     blend, with `nbytes` the size of its .bin), validate it, and record how a pickled copy reopens it: by its
@@ -130,5 +132,11 @@ def _open(
         ds.close()
         raise
     ds.source = source
-    ds.reopen = (open_dataset, (source, config if reader.remote else replace(config, read_mode=reader.read_mode)))
+    if reader.remote:
+        ds.reopen = (open_dataset, (source, config))
+        return ds
+    reopen_configs = {} if reopen_configs is None else reopen_configs
+    if reader.read_mode not in reopen_configs:
+        reopen_configs[reader.read_mode] = replace(config, read_mode=reader.read_mode)
+    ds.reopen = (open_dataset, (source, reopen_configs[reader.read_mode]))
     return ds
