@@ -119,7 +119,8 @@ def _timed_task(job, item, ctx):
     """preprocess's _run_task, in the worker; its pid, clock and CPU ride back with the result."""
     c0, w0 = cpu(), time.perf_counter()
     result = _RUN_TASK(job, item, ctx)
-    result["_profile"] = (os.getpid(), item.index, item.size, w0 - _T0, time.perf_counter() - _T0, cpu() - c0)
+    # TaskStats is a dataclass: an extra attribute rides back with it through pickle
+    result._profile = (os.getpid(), item.index, item.size, w0 - _T0, time.perf_counter() - _T0, cpu() - c0)
     return result
 
 
@@ -145,26 +146,27 @@ def timeline(corpus: str, workers: int) -> dict:
     _T0, _RUN_TASK = t0, pp._run_task
     pp._run_task = _timed_task  # a module-level function: the pool pickles it by name
     hook(pp, "_tokenizer", "tokenizer load")
-    hook(pp, "_write_json_atomic", "json writes (fsync)")
+    hook(pp, "write_json_atomic", "json writes (fsync)")
     hook(pp, "_prepare_parts", "plan tasks")
     hook(pp, "_run_tasks", "tasks")
     hook(pp._PartMerger, "finish", "merge finish")
     hook(pp, "_commit", "commit")
-    results: dict[int, dict] = {}
-    original_combine = pp._combine
+    results: list = []
+    original_run_tasks = pp.run_tasks
 
-    def combine(res, *args):
-        results.update(res)
-        return original_combine(res, *args)
+    def run_tasks(*args, **kwargs):
+        run = original_run_tasks(*args, **kwargs)
+        results.extend(run.ran)
+        return run
 
-    pp._combine = combine
+    pp.run_tasks = run_tasks
     out = Path(f"/tmp/profile-preprocess-{os.getpid()}")
     config = pp.PreprocessConfig(inputs=(corpus,), output_prefix=str(out), tokenizer="cl100k_base",
                                  append_eod=False, workers=workers)  # fmt: skip
     (stats, wall, cpu_s) = clock(lambda: pp.preprocess(config))
     for suffix in ("_text_document.bin", "_text_document.idx", ".preprocess.json"):
         Path(f"{out}{suffix}").unlink(missing_ok=True)
-    tasks = sorted((r.pop("_profile") for r in results.values()), key=lambda t: t[1])
+    tasks = sorted((r._profile for r in results), key=lambda t: t[1])
     by_worker: dict[int, list] = {}
     for pid, _, _, start, end, c in tasks:
         by_worker.setdefault(pid, []).append((start, end, c))
