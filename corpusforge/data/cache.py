@@ -446,9 +446,10 @@ def load_array(path: Path) -> np.ndarray:
 
 def _load(base: Path, description: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
     """The arrays of a complete entry, or None when there is none; a mismatching entry is an error."""
-    desc_path = Path(f"{base}-description.json")
-    if not desc_path.is_file():
+    desc_name = f"{base}-description.json"
+    if not os.path.isfile(desc_name):  # a string, not a Path: asked twice per entry, of every entry of a build
         return None
+    desc_path = Path(desc_name)
     try:
         record = json.loads(desc_path.read_text())
         recorded, names = record["description"], record["arrays"]
