@@ -52,6 +52,25 @@ class JoinedTexts:
         return f"JoinedTexts({self.count} documents, {len(self.data)} bytes)"
 
 
+def extract_blocks(
+    buffer: bytes | memoryview | object, key: str, ranges: list[tuple[int, int]], stop: bytearray
+) -> list[tuple[int, int, JoinedTexts] | None] | None:
+    """`extract_field(buffer[a:b], key)` for each (a, b) of `ranges`, in order, in one call that holds no GIL: so
+    it can run on a thread beside one that holds the GIL for long (gigatoken loading a tokenizer). It stops before
+    the next block once `stop[0]` is set, returning the results so far; None where the compiled module is not
+    built or the key cannot take the fast path.
+
+    Example:
+        >>> extract_blocks(b'{"text": "a"}\\n{"x": 1}\\n', "text", [(0, 14), (14, 23)], bytearray(1))
+        [(1, 1, JoinedTexts(1 documents, 2 bytes)), None]
+    """
+    name = key.encode()
+    if _jsonl_field is None or not hasattr(_jsonl_field, "extract_blocks") or b"\\" in name or b'"' in name:
+        return None
+    found = _jsonl_field.extract_blocks(buffer, name, ranges, stop)
+    return [None if f is None else (f[0], f[1], JoinedTexts(f[2], f[0])) for f in found]
+
+
 def extract_field(block: bytes | memoryview, key: str) -> tuple[int, int, JoinedTexts] | None:
     """(documents, lines, their texts) for the string field `key` of every line of `block` (whole lines; blank
     lines hold no record), or None when some line needs the exact path."""

@@ -34,7 +34,7 @@ import mmap
 import os
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +42,7 @@ import numpy as np
 import orjson
 
 from corpusforge.errors import CorpusforgeError, first_line
-from corpusforge.jsonl_field import extract_field
+from corpusforge.jsonl_field import extract_blocks, extract_field
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
@@ -433,16 +433,105 @@ def _mapped_blocks(task: Task) -> Iterator[tuple[memoryview, int]]:
     mm.madvise(mmap.MADV_SEQUENTIAL)
     view, pos = memoryview(mm), task.start
     while pos < task.stop:
-        end = min(pos + BLOCK_BYTES, task.stop)
-        cut = mm.rfind(b"\n", pos, end)
-        if cut < 0 and end < task.stop:  # a line longer than a block: take it whole
-            cut = mm.find(b"\n", end, task.stop)
-        end = task.stop if cut < 0 else cut + 1
+        end = _block_end(mm, pos, task.stop)
         yield view[pos:end], end - pos
         # The block is consumed (its texts were copied out): unmap its pages from this process. They stay in the
         # page cache, but no longer count in the worker's RSS, which otherwise grew by the whole task (64 MB).
         _release(mm, pos, end)
         pos = end
+
+
+def _block_end(mm: mmap.mmap, pos: int, stop: int) -> int:
+    """Where the block of a task's range [pos, stop) that starts at `pos` ends: the last line end within
+    BLOCK_BYTES, or the end of a longer line."""
+    end = min(pos + BLOCK_BYTES, stop)
+    cut = mm.rfind(b"\n", pos, end)
+    if cut < 0 and end < stop:  # a line longer than a block: take it whole
+        cut = mm.find(b"\n", end, stop)
+    return stop if cut < 0 else cut + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# blocks extracted ahead (preprocess: while the parent loads the tokenizer, before its workers fork)
+
+PREFETCH_BYTES = 128 << 20
+"""At most this much input is extracted ahead: its texts are held in memory until a worker takes them."""
+
+_prefetched: dict[int, tuple[str, str, dict]] = {}
+"""task index -> (path, key, {(start, end): the fast path's result for that block, None where it declined})"""
+
+
+def prefetch_blocks(
+    tasks: Sequence[Task],
+    key: str,
+    stop: bytearray,
+    budget: int = PREFETCH_BYTES,
+    before_scan: Callable[[], object] | None = None,
+) -> int:
+    """Extract the blocks of the first plain-JSON-lines tasks (up to `budget` input bytes, from the first file's
+    first task on) with the compiled extractor in one call without the GIL, so that it runs while another thread
+    holds the GIL (preprocess: gigatoken loading the tokenizer, 0.1-0.15 s that would leave a core idle); it stops
+    early once `stop[0]` is set, and `before_scan()` is called just before it starts. `read_task` of those tasks,
+    in this process or in a worker forked from it, then takes their texts instead of extracting them again: the
+    same batches, the same counts. Returns the input bytes it extracted (of whole tasks only).
+
+    Example:
+        >>> prefetch_blocks(plan_tasks([Path("corpus.jsonl")], 8 << 20), "text", bytearray(1))
+        104857600
+    """
+    first = [t for t in tasks if t.format == "jsonl" and t.stop > t.start]
+    first = [t for t in first if t.path == first[0].path] if first else []
+    if not first:
+        return 0
+    with open(first[0].path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        spans: list[tuple[Task, int, int]] = []
+        for task in first:
+            pos = task.start
+            while pos < task.stop and budget > 0:
+                end = _block_end(mm, pos, task.stop)
+                spans.append((task, pos, end))
+                budget -= end - pos
+                pos = end
+            if pos < task.stop:  # a task is taken whole or not at all: its blocks come in order from one place
+                spans = [span for span in spans if span[0] is not task]
+                break
+        if before_scan is not None:
+            before_scan()
+        found = extract_blocks(mm, key, [(a, b) for _, a, b in spans], stop) if spans else None
+    finally:
+        mm.close()
+    if not found:
+        return 0
+    done = {}
+    for (task, a, b), result in zip(spans, found):
+        done.setdefault(task.index, {})[(a, b)] = result
+    complete = {i: blocks for i, blocks in done.items() if sum(b - a for a, b in blocks) == _task_bytes(first, i)}
+    for index, blocks in complete.items():
+        _prefetched[index] = (first[0].path, key, blocks)
+    return sum(b - a for blocks in complete.values() for a, b in blocks)
+
+
+def _task_bytes(tasks: Sequence[Task], index: int) -> int:
+    task = next(t for t in tasks if t.index == index)
+    return task.stop - task.start
+
+
+def drop_prefetched(upto: int | None = None) -> None:
+    """Forget the blocks extracted ahead, of every task or of tasks up to index `upto` (preprocess's parent as
+    tasks finish: forked workers have their own copy; a task run in this process has taken its own already)."""
+    for index in [i for i in _prefetched if upto is None or i <= upto]:
+        del _prefetched[index]
+
+
+def _take_prefetched(task: Task, key: str) -> dict:
+    """The blocks of `task` extracted ahead ({} if none), forgotten here; so are those of the tasks before it,
+    which another worker took (tasks are handed out in order)."""
+    for index in [i for i in _prefetched if i < task.index]:
+        del _prefetched[index]
+    path, prefetched_key, blocks = _prefetched.pop(task.index, (None, None, {}))
+    return blocks if path == task.path and prefetched_key == key and task.format == "jsonl" else {}
 
 
 def _release(mm: mmap.mmap, start: int, end: int) -> None:
@@ -499,8 +588,14 @@ def _read_jsonl(task: Task, keys: Sequence[str], on_bad: str, keep_empty: bool =
     # faster than str. A block of good records with one key is read by the compiled extractor (2-3x orjson, and
     # no str per document); any other block by the exact path, which finds, reports and skips bad records.
     first_line = 0
+    ready = _take_prefetched(task, keys[0]) if len(keys) == 1 else {}
+    pos = task.start
     for block, file_bytes in _blocks(task):
-        extracted = extract_field(block, keys[0]) if len(keys) == 1 else None
+        span, pos = (pos, pos + file_bytes), pos + file_bytes  # plain JSON lines: the block's bytes in the file
+        if span in ready:  # extracted ahead, before this worker forked (prefetch_blocks)
+            extracted = ready.pop(span)
+        else:
+            extracted = extract_field(block, keys[0]) if len(keys) == 1 else None
         if extracted is not None:
             docs, lines, texts = extracted
             yield RecordBatch([texts], len(block), docs, file_bytes)
