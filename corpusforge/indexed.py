@@ -981,12 +981,15 @@ class IndexedDataset:
 
     def validate(self) -> None:
         """Check every length, pointer and document index against each other and the .bin (O(S)), and the dtype
-        against a sample of tokens and P.preprocess.json; raise IndexedFormatError on the first fault."""
+        against P.preprocess.json and, for a signed or float dtype, a sample of tokens (check_token_sample refuses
+        no unsigned token, so for those none is read: on a cold blend of 2,500 datasets the three reads of each were
+        ~0.15 s of a 0.34 s open); raise IndexedFormatError on the first fault."""
         self._check(full=True)
         if not self.reader.remote:  # an object store has no P.preprocess.json beside the dataset
             # The recorded dtype first: where it exists it is exact, and its message says what the dtype should be.
             check_recorded_dtype(self.prefix, self.index_name, self.dtype)
-        check_token_sample(self.index_name, *self.reader.token_sample())
+        if not np.issubdtype(self.dtype, np.unsignedinteger):  # every unsigned value is an id: nothing to refuse
+            check_token_sample(self.index_name, *self.reader.token_sample())
 
     # -- access ------------------------------------------------------------------------------------------------
 
