@@ -897,7 +897,8 @@ def _span_kernel() -> Callable[..., None]:
 
 
 class IndexedDataset:
-    """A token dataset `{prefix}.bin/.idx`: its index in memory (memory-mapped), its tokens through a BinReader.
+    """A token dataset `{prefix}.bin/.idx`: its index in memory (read whole when small, else memory-mapped: see
+    open_index), its tokens through a BinReader.
 
     The one dataset class of corpusforge, as Megatron-Core's IndexedDataset: the index is parsed here, the .bin is
     read by the reader it is given (`storage.open_dataset` chooses one: memory map, pread, O_DIRECT, ranged reads
@@ -906,13 +907,15 @@ class IndexedDataset:
     Opening checks everything (`validate()`) and refuses a faulty pair with one IndexedFormatError line: the header
     and file sizes, every length, pointer and document index against each other and against the .bin (O(S),
     vectorised: ~1 s per 1e8 sequences, benchmarks/index_validation.py), and the dtype against a sample of tokens
-    and against P.preprocess.json. `check=False` does only the O(1) part (header, sizes, the ends against the .bin),
-    for `corpusforge inspect`, which reports what `validate()` finds instead of refusing, and for openers that
-    validate later themselves.
+    (signed and float dtypes) and against P.preprocess.json. The .bin is stat'ed then; the default reader maps it at
+    its first read, and refuses it there if its size changed since. `check=False` does only the O(1) part (header,
+    sizes, the ends against the .bin), for `corpusforge inspect`, which reports what `validate()` finds instead of
+    refusing, and for openers that validate later themselves.
 
     `index` is the bytes of an .idx already in memory (a remote dataset: `prefix` is then its URL, and `reader`
-    is required); `pin` is closed with the dataset (a local cache entry's ReaderPin). Pickled, a dataset travels
-    as how to reopen it (`reopen`), never as its tokens.
+    is required), or an OpenedIndex (open_index: storage opens the .idx before it chooses the reader); `pin` is
+    closed with the dataset (a local cache entry's ReaderPin). Pickled, a dataset travels as how to reopen it
+    (`reopen`), never as its tokens.
 
     Example:
         >>> ds = IndexedDataset("out/corpus_text_document")

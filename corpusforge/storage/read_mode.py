@@ -7,6 +7,8 @@ whole 4 KiB pages per document piece cost ~4x the sample bytes (O_DIRECT: ~1.4x)
 samples only once; where the file system refuses O_DIRECT (ramfs, some FUSE and NFS mounts), "mmap-random" for a
 file that fits and "pread" for one that does not. The probes: /proc/meminfo, /proc/self/cgroup and the cgroup's
 memory limit, mincore (pagecache.resident_fraction), one O_DIRECT read, the device's logical block size in sysfs.
+A blend of many datasets (storage.datasets.open_datasets) decides once for all its small .bin files together
+(choose_read_modes): their total against the budget, mincore over a few of them, O_DIRECT probed once per device.
 
 Example:
     >>> choose_read_mode("out/a_text_document.bin", StorageConfig())
