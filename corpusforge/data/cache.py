@@ -9,16 +9,14 @@ Layout, for a description `d` of kind `k` (e.g. "GPTDataset-train") in `cache_di
 where `h` is the first 32 hex digits of sha256(json(d, sorted keys)). Megatron-Core does the same with an md5 of
 its `unique_description` (megatron/core/datasets/megatron_dataset.py, MegatronDataset.__init__).
 
-The description appears under its final name only when complete (temporary name in the same directory, rename),
-and only after the arrays it lists are durable; the arrays are written under their final names, by the holder of
-the build lock, while no description exists (nobody loads them then; see _write_new). One process builds an entry
-while the others wait on the lock and then load it: the first `fcntl.flock` holder
+Every file appears under its final name only when complete (temporary name in the same directory, rename), and
+one process builds an entry while the others wait on the lock and then load it: the first `fcntl.flock` holder
 builds; later holders find the description and load. Where the file system has no flock (some Lustre/NFS mounts),
 an `O_CREAT|O_EXCL` lock file with the holder's pid and host replaces it.
 
 Writing is off the builder's critical path: the builder returns the arrays it built as soon as they are built (an
 entry of up to 8 MiB it writes itself first, ~1 ms); a background thread of the builder writes larger ones
-(final names, see above), and a second one fsyncs them and the
+(temporary name, rename), and a second one fsyncs them and the
 directory, writes the description (fsync, rename, fsync) and only then releases the lock (two threads, so that
 one entry's fsyncs do not delay the next entry's files). So the description, which readers require,
 exists on disk only after the arrays it vouches for are durable: a crash or a kill before that leaves arrays
@@ -237,8 +235,8 @@ def _write_arrays(
     desc_path: Path,
     background: bool = True,
 ) -> None:
-    """Write each array (under its final name: _write_new), not yet durable: off the builder's critical path, or
-    in the builder's thread for a small entry."""
+    """Write each array (temporary name, rename), not yet durable: off the builder's critical path, or in the
+    builder's thread for a small entry."""
     # Lowest CPU priority for the writer thread alone (Linux: a thread id is a valid PRIO_PROCESS target): on a busy
     # node it must not slow the builder, which goes on building the next split or starts training.
     if background:
@@ -246,38 +244,13 @@ def _write_arrays(
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
         for name, array in arrays.items():
-            _write_new(paths[name], array)
+            with atomic_write(paths[name], durable=False) as f:
+                _save_npy(f, array)
         written.ok = True
     except BaseException as e:  # the entry stays incomplete: the next process to ask builds it again
         _ERRORS.append((desc_path, e))
     finally:
         written.set()
-
-
-def _write_new(path: Path, array: np.ndarray) -> None:
-    """Write `array` as a new file `path`: any file of that name is unlinked first (a process that mapped it keeps
-    its pages), then the file is created (O_EXCL) and written; a failed write removes it.
-
-    No temporary name and rename as for the description: the caller holds the entry's build lock and no description
-    of the entry exists until these files are durable, so no reader opens them half written (and a crash leaves
-    files without a description, which nobody loads and the next builder replaces). On ext4 here the nine files of
-    a one-dataset build took 2.4 ms with a temporary name and a rename each, 0.9 ms without (1.8 ms created with
-    O_TRUNC, as np.save does), written back to back; within a warm build, after the previous entry's fsyncs, it
-    saves 0.2-0.4 ms of ~10.5 ms (2026-11-26, load 0.7-0.9, 36 alternating builds a side, twice).
-
-    Example:
-        >>> _write_new(Path("cache/3f2a...-GPTDataset-train-shuffle_index.npy"), np.arange(3, dtype=np.uint32))
-    """
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _save_npy(f, array)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
 
 
 def _save_npy(f: Any, array: np.ndarray) -> None:

@@ -165,26 +165,6 @@ def test_a_builder_killed_before_its_cache_is_durable_leaves_an_entry_that_is_re
     np.testing.assert_array_equal(again["a"], np.arange(1000))
 
 
-def test_rebuilding_an_entry_leaves_the_arrays_a_reader_mapped_untouched(tmp_path):
-    """The arrays are written under their final names, unlinked first, never truncated: a process that mapped an
-    entry's array keeps reading its old bytes when that entry is rebuilt (here: after a hand-deleted array)."""
-    cache = IndexCache(tmp_path)
-    cache.get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(1000), "b": np.arange(10)})
-    wait_for_index_caches()
-    mapped, built = cache.get_or_build("X-train", {"seed": 1}, lambda: {})
-    assert not built and isinstance(mapped["a"], np.memmap)
-    (b_file,) = tmp_path.glob("*-X-train-b.npy")
-    b_file.unlink()  # the entry no longer counts as complete: it is rebuilt
-    rebuilt, built = cache.get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(1000) * 2, "b": np.ones(3)})
-    assert built
-    wait_for_index_caches()
-    np.testing.assert_array_equal(mapped["a"], np.arange(1000))  # the old inode, still mapped
-    again, built = cache.get_or_build("X-train", {"seed": 1}, lambda: {})
-    assert not built
-    np.testing.assert_array_equal(again["a"], np.arange(1000) * 2)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-
-
 def test_a_freshly_built_entry_pickles_as_the_paths_of_its_files(tmp_path):
     """Spawned DataLoader workers get the builder's arrays as .npy paths (once written), not as copies."""
     arrays, built = IndexCache(tmp_path).get_or_build("X-train", {"seed": 1}, lambda: {"a": np.arange(100_000)})
