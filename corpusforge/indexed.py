@@ -803,6 +803,8 @@ class MMapBinReader(BinReader):
     ) -> None:
         path = os.fspath(path)
         super().__init__(path, dtype, regular_file_size(path) if nbytes is None else nbytes)
+        if not os.access(path, os.R_OK):  # refused at open, as the map made here did, not in a loader worker later
+            raise PermissionError(errno.EACCES, "no permission to read the dataset's .bin", path)
         self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
         self._map: np.ndarray | None = None
         self._closed = False

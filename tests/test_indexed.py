@@ -750,3 +750,34 @@ def test_a_crash_while_replacing_a_pair_leaves_old_or_none(tmp_path, monkeypatch
     else:
         with pytest.raises(FileNotFoundError, match="no such file"):
             IndexedDataset(prefix)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to another user: needs root (CI runs as root)")
+def test_open_refuses_an_unreadable_bin_at_open():
+    """The .bin is mapped only at the first read; a .bin its reader may not read is still refused when the
+    dataset opens, not later in a loader worker."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="cf-unreadable-"))  # pytest's tmp_path sits under a 0700 folder
+    top.chmod(0o755)
+    prefix = top / "a"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_documents(np.arange(10), np.array([4, 6]))
+    Path(f"{prefix}.idx").chmod(0o644)
+    # The child opens the dataset once as root (every module it needs imported: the checkout may sit where the
+    # other user cannot read), then, as that user, after the .bin lost its permissions.
+    code = (
+        "import os\nfrom corpusforge.indexed import IndexedDataset\n"
+        f"IndexedDataset({str(prefix)!r})\nos.chmod({str(prefix)!r} + '.bin', 0)\n"
+        f"os.setgid(65534)\nos.setuid(65534)\nIndexedDataset({str(prefix)!r})"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(top)
+    assert out.returncode == 1
+    assert (
+        f"PermissionError: [Errno {errno.EACCES}] no permission to read the dataset's .bin: '{prefix}.bin'"
+        in out.stderr
+    )
