@@ -6,7 +6,8 @@
 
 Every figure is a ratio of two runs made in the same benchmark, alternating, each in its own fresh process, with
 `--workers` workers (or threads) on as many pinned CPUs. Per-run times, the medians and the 1-minute load average
-before each run go into the JSON.
+before each run go into the JSON, with each run's CPU seconds and those other jobs used meanwhile (/proc/stat): on a
+shared machine the ceiling also gives the ratio over the runs other jobs left alone (`--quiet-cpu`).
 
 1. The ceiling, cl100k_base (the default tokenizer), on a JSONL corpus from benchmarks/make_corpus.py:
    (a) gigatoken's own batched call, `encode_batch(texts, parallel=True)`, on texts already parsed into memory
@@ -200,6 +201,8 @@ class Run:
     peak_tree_pss: int
     max_process_rss: int  # ru_maxrss from wait4: the largest single process of the tree
     log: Path
+    cpu: float = 0.0  # user + system CPU seconds of the process tree (wait4)
+    others_cpu: float = 0.0  # CPU seconds the rest of the machine used meanwhile (see busy_cpu_s)
 
     def json_result(self) -> dict:
         """The JSON object the command printed: the whole stdout, else its last line that parses."""
@@ -223,6 +226,7 @@ def run_measured(
     the memory figures come from a separate sampled run of the same variant."""
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with open(log, "wb") as err, tempfile.TemporaryFile() as out:
+        busy0 = busy_cpu_s()
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=preexec, cwd=REPO)
         memory = TreeMemory(proc.pid)
@@ -230,13 +234,27 @@ def run_measured(
             memory.start()
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
+        cpu = usage.ru_utime + usage.ru_stime
+        others = busy_cpu_s() - busy0 - cpu
         if sample_memory:
             memory.stop()
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         stdout = out.read().decode("utf-8", errors="replace")
     max_process = usage.ru_maxrss * 1024  # Linux reports KiB
-    return Run(proc.returncode, stdout, wall, max(memory.peak_rss, max_process), memory.peak_pss, max_process, log)
+    peak_rss = max(memory.peak_rss, max_process)
+    return Run(proc.returncode, stdout, wall, peak_rss, memory.peak_pss, max_process, log, cpu, max(others, 0.0))
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds all CPUs of the machine have spent busy since boot (/proc/stat; idle and iowait left out).
+    Around a run, its difference minus the run's own CPU is what other jobs (or the busy core) used meanwhile:
+    on a shared machine, the runs where that is near zero are the quiet ones."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,9 +271,12 @@ class Timing:
     peak_rss_mb: float | None = None
     peak_pss_mb: float | None = None
     info: dict = field(default_factory=dict)
+    cpu: float = 0.0
+    others_cpu: float = 0.0
 
     def json(self) -> dict:
         out = {"seconds": self.seconds, "wall_s": round(self.wall, 3), "load_1min_before": self.load_before}
+        out.update(cpu_s=round(self.cpu, 3), others_cpu_s=round(self.others_cpu, 3))
         if self.peak_pss_mb is not None:
             out.update(peak_rss_mb=round(self.peak_rss_mb), peak_pss_mb=round(self.peak_pss_mb))
         return out
@@ -272,7 +293,7 @@ def timed(label: str, cmd: list[str], log: Path, env: dict, cpus, sample: bool, 
     run = run_measured(cmd, log, env, cpus, sample_memory=sample)
     if run.returncode != 0:
         _fail(label, run)
-    t = Timing(own_timer(run), run.wall, load, info={"stdout": run.stdout})
+    t = Timing(own_timer(run), run.wall, load, info={"stdout": run.stdout}, cpu=run.cpu, others_cpu=run.others_cpu)
     if sample:
         t.peak_rss_mb, t.peak_pss_mb = run.peak_tree_rss / 2**20, run.peak_tree_pss / 2**20
     return t
@@ -349,6 +370,13 @@ class BusyCore:
             self.proc.kill()
             self.proc.wait()
 
+    def cpu_s(self) -> float:
+        """CPU seconds the spinning process has used so far (0 without one)."""
+        if self.proc is None:
+            return 0.0
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return times.user + times.system
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. the ceiling: (a) against (b), alternating
@@ -361,15 +389,17 @@ def median_of(runs: list[Timing], key: str = "seconds") -> float:
 def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) -> dict:
     runs: dict[str, list[Timing]] = {"a": [], "b": []}
     prefix = work / "b"
-    with BusyCore(mode, cpus[-1] if cpus else None):
+    with BusyCore(mode, cpus[-1] if cpus else None) as busy:
         for i in range(args.repeat):
             for name in "ab" if i % 2 == 0 else "ba":
                 sha256_file(str(corpus))  # both read the input from the page cache
+                spun = busy.cpu_s()
                 if name == "a":
                     runs["a"].append(run_a(corpus, args.workers, cpus, work))
                 else:
                     runs["b"].append(run_b(corpus, prefix, args.workers, cpus, "cl100k_base", eod=False))
                 r = runs[name][-1]
+                r.others_cpu = max(r.others_cpu - (busy.cpu_s() - spun), 0.0)  # the busy core is part of the setup
                 print(f"  [{mode}] {name} {r.seconds:6.3f} s (wall {r.wall:6.2f} s, load {r.load_before})", flush=True)
     a, b = median_of(runs["a"]), median_of(runs["b"])
     a_load = statistics.median(r.info["tokenizer_load_s"] for r in runs["a"])
@@ -387,6 +417,14 @@ def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) ->
         "load_1min": [min(r.load_before for rs in runs.values() for r in rs),
                       max(r.load_before for rs in runs.values() for r in rs)],
     }  # fmt: skip
+    # Other jobs' CPU during each run (not the busy core's, which belongs to the setup): the runs they left alone,
+    # if both variants have some, give the ratio a shared machine shows when nobody else uses it.
+    quiet = {n: [r for r in rs if r.others_cpu < args.quiet_cpu] for n, rs in runs.items()}
+    out["cpu_s_median"] = {n: statistics.median(r.cpu for r in rs) for n, rs in runs.items()}
+    out["quiet"] = {"others_cpu_below_s": args.quiet_cpu, "runs": {n: len(rs) for n, rs in quiet.items()}}
+    if all(quiet.values()):
+        qa, qb = median_of(quiet["a"]), median_of(quiet["b"])
+        out["quiet"].update(median_s={"a": qa, "b": qb}, b_over_a=qa / qb)
     out["met"] = out["b_over_a"] >= TARGET_B_OVER_A
     if mode == args.busy[0]:  # the tokens, once: (b)'s .bin must hold what (a) encoded
         same = runs["a"][0].info["bin_sha256"] == sha256_file(f"{prefix}_text_document.bin")
@@ -623,6 +661,14 @@ def print_report(report: dict) -> None:
             f"medians of {len(c['runs']['a'])}; with (a)'s tokenizer load ({c['a_tokenizer_load_s']:.2f} s) "
             f"{c['b_over_a_with_its_load']:.2f}"
         )
+        q, cpu = c["quiet"], c["cpu_s_median"]
+        quiet = (
+            f"(b)/(a) {q['b_over_a']:.2f} ((a) {q['median_s']['a']:.3f} s, (b) {q['median_s']['b']:.3f} s)"
+            if "b_over_a" in q
+            else "too few to compare"
+        )
+        print(f"    runs other jobs left alone (< {q['others_cpu_below_s']} CPU-s): {q['runs']['a']} of (a), "
+              f"{q['runs']['b']} of (b): {quiet}; CPU-s per run (a) {cpu['a']:.2f}, (b) {cpu['b']:.2f}")  # fmt: skip
         for name, mem in c.get("peak_memory", {}).items():
             print(f"    {name}: peak PSS {mem['peak_pss_mb']} MB, RSS {mem['peak_rss_mb']} MB")
     mg = report.get("megatron")
@@ -654,6 +700,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=5, help="runs of (a) and (b) each, alternating")
     ap.add_argument("--busy", default="none", help="comma-separated: none, pinned, unpinned (see the docstring)")
     ap.add_argument("--no-memory", action="store_true", help="skip the sampled runs that measure peak memory")
+    ap.add_argument("--quiet-cpu", type=float, default=0.1,
+                    help="a run is quiet when other jobs used less CPU than this (seconds) meanwhile")  # fmt: skip
     ap.add_argument("--skip-ceiling", action="store_true", help="only the Megatron, memory and merge parts")
     ap.add_argument("--megatron", type=Path, help="a Megatron-LM checkout (its tools/ scripts are run as they are)")
     ap.add_argument("--megatron-size-mb", type=float, default=20)
