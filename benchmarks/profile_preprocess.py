@@ -9,9 +9,9 @@ other people's jobs, while CPU seconds are the work itself.
    JSON parsing with orjson (what the raw call's caller pays before it), the compiled field extractor, gigatoken on
    a list of str and on the extractor's joined bytes (BytesSource), appending EOD tokens, writing the .bin/.idx.
 2. one `preprocess()` run with `--workers` worker processes, hooked from here (no hook in the library): the
-   parent's serial phases (tokenizer load and warm-up, planning, pool start, the final merge and commit), each
-   task's start, end and CPU time and its worker, and the tail: how long the first worker to run out of tasks
-   waited for the last.
+   parent's serial phases (tokenizer load and warm-up, the texts extracted meanwhile on a thread, planning, pool
+   start, the final merge and commit), each task's start, end and CPU time and its worker, and the tail: how long
+   the first worker to run out of tasks waited for the last.
 
 Writes JSON beside the table it prints.
 """
@@ -146,6 +146,7 @@ def timeline(corpus: str, workers: int) -> dict:
     _T0, _RUN_TASK = t0, pp._run_task
     pp._run_task = _timed_task  # a module-level function: the pool pickles it by name
     hook(pp, "_tokenizer", "tokenizer load")
+    hook(pp.sources, "prefetch_blocks", "extract ahead (thread; its CPU counts every thread)")
     hook(pp, "write_json_atomic", "json writes (fsync)")
     hook(pp, "_prepare_parts", "plan tasks")
     hook(pp, "_run_tasks", "tasks")
