@@ -34,6 +34,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import Counter
@@ -595,6 +596,12 @@ def _extracting_ahead(config: PreprocessConfig, files: Sequence[Path], executor:
 
     def extract() -> None:
         try:
+            # The lowest priority: it only uses a core the load leaves idle. Where a core is busy with another job,
+            # it would otherwise share the load's core and slow the load, which every worker waits for (one core
+            # busy, 100 MB: 1.08 s a run at the same priority, 0.95 s at this one; quiet: 0.68 and 0.67 s).
+            if sys.platform.startswith("linux"):  # a thread's id is a task id there: this thread only
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             tasks = _plan_tasks(config, files, executor.workers)
             sources.prefetch_blocks(tasks, config.json_keys[0], stop, before_scan=scanning.set)
         except Exception:  # noqa: BLE001 - an optimisation only: every task reads its input itself then
