@@ -489,8 +489,10 @@ def prefetch_blocks(
         spans: list[tuple[Task, int, int]] = []
         for task in first:
             pos = task.start
-            while pos < task.stop and budget > 0:
+            while pos < task.stop:
                 end = _block_end(mm, pos, task.stop)
+                if end - pos > budget:  # the budget holds even for a block of one line longer than BLOCK_BYTES
+                    break
                 spans.append((task, pos, end))
                 budget -= end - pos
                 pos = end
