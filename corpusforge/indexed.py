@@ -779,7 +779,33 @@ class BinReader:
         """Let go of the file (or connection)."""
 
 
-class MMapBinReader(BinReader):
+class LocalBinReader(BinReader):
+    """A .bin on a local (or mounted) file system: its size stat'ed and its readability checked at open, so a
+    missing, unreadable or non-regular .bin is refused when the dataset opens, not at the first read in a loader
+    worker; `nbytes` is the size where the opener already has it. The variants (memory map, pread, O_DIRECT) open
+    the file at their first read.
+
+    Example:
+        >>> MMapBinReader("out/a_text_document.bin", np.dtype(np.uint16)).nbytes   # a LocalBinReader
+        40960
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        dtype: np.dtype,
+        read_mode: str,
+        read_mode_reason: str = "configured",
+        nbytes: int | None = None,
+    ) -> None:
+        path = os.fspath(path)
+        super().__init__(path, dtype, regular_file_size(path) if nbytes is None else nbytes)
+        if not os.access(path, os.R_OK):
+            raise PermissionError(errno.EACCES, "no permission to read the dataset's .bin", path)
+        self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
+
+
+class MMapBinReader(LocalBinReader):
     """The .bin memory-mapped: `read` is a view (no copy), `read_spans` a compiled copy per span. "mmap" keeps the
     kernel's read-ahead; "mmap-random" maps with madvise(MADV_RANDOM), so that a cold read costs the pages it
     touches (see corpusforge.storage for when each pays).
@@ -801,11 +827,7 @@ class MMapBinReader(BinReader):
         read_mode_reason: str = "configured",
         nbytes: int | None = None,
     ) -> None:
-        path = os.fspath(path)
-        super().__init__(path, dtype, regular_file_size(path) if nbytes is None else nbytes)
-        if not os.access(path, os.R_OK):  # refused at open, as the map made here did, not in a loader worker later
-            raise PermissionError(errno.EACCES, "no permission to read the dataset's .bin", path)
-        self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
+        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
         self._map: np.ndarray | None = None
         self._closed = False
 

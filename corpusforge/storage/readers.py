@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from corpusforge.fsutil import is_url
-from corpusforge.indexed import BinReader, MMapBinReader, regular_file_size
+from corpusforge.indexed import BinReader, LocalBinReader, MMapBinReader, regular_file_size
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.read_mode import choose_read_mode, logical_block_size
 from corpusforge.storage.remote import RemoteBinReader
 
 
-class PreadBinReader(BinReader):
+class PreadBinReader(LocalBinReader):
     """The .bin read with os.preadv, a system call per span, read-ahead off.
 
     Example:
@@ -55,8 +55,7 @@ class PreadBinReader(BinReader):
         read_mode_reason: str = "configured",
         nbytes: int | None = None,
     ) -> None:
-        super().__init__(path, dtype, regular_file_size(os.fspath(path)) if nbytes is None else nbytes)
-        self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
+        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
         self._fd: int | None = None
         self._fd_pid = -1
 
