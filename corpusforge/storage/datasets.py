@@ -84,13 +84,11 @@ def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig |
 
 
 def _stat_bins(prefixes: list[str]) -> tuple[list[int], list[int]] | None:
-    """The size and device of each prefix's .bin, after checking that its .idx exists; None if a file is missing
-    (or is no regular file)."""
+    """The size and device of each prefix's .bin; None if one is missing (or is no regular file). A missing .idx
+    needs no stat here: opening the datasets in order refuses it with its pair's message."""
     sizes, devices = [], []
     try:
         for prefix in prefixes:
-            if not stat.S_ISREG(os.stat(f"{prefix}.idx").st_mode):
-                return None
             info = os.stat(f"{prefix}.bin")
             if not stat.S_ISREG(info.st_mode):
                 return None
