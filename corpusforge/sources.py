@@ -506,18 +506,16 @@ def prefetch_blocks(
         mm.close()
     if not found:
         return 0
-    done = {}
+    done: dict[int, dict] = {}
     for (task, a, b), result in zip(spans, found):
         done.setdefault(task.index, {})[(a, b)] = result
-    complete = {i: blocks for i, blocks in done.items() if sum(b - a for a, b in blocks) == _task_bytes(first, i)}
-    for index, blocks in complete.items():
-        _prefetched[index] = (first[0].path, key, blocks)
-    return sum(b - a for blocks in complete.values() for a, b in blocks)
-
-
-def _task_bytes(tasks: Sequence[Task], index: int) -> int:
-    task = next(t for t in tasks if t.index == index)
-    return task.stop - task.start
+    extracted = 0
+    for task in first:  # a scan stopped early leaves a task part-done: only whole tasks are kept
+        blocks = done.get(task.index, {})
+        if sum(b - a for a, b in blocks) == task.stop - task.start:
+            _prefetched[task.index] = (task.path, key, blocks)
+            extracted += task.stop - task.start
+    return extracted
 
 
 def drop_prefetched(upto: int | None = None) -> None:
