@@ -55,57 +55,41 @@ def child(side: str, tokens: int, docs: int, builds: int) -> dict:
     prefix = str(dataset_prefix(tokens, docs))
     train = tokens * 969 // 1000
     sizes = [train // SEQ - 1, tokens * 30 // 1000 // SEQ - 1, max(1, tokens // 1000 // SEQ - 1)]
-    seconds, returned, cpu = [], [], []
-    for _ in range(builds):
+
+    def build() -> tuple[object, float, float | None, float]:
+        """One build of the three splits into an empty cache directory: (train dataset, seconds, seconds until the
+        datasets were usable (corpusforge: its cache files are written after), CPU seconds)."""
         cache = Path(tempfile.mkdtemp(prefix="first-build-"))
         c0 = time.process_time()  # every thread of the process: a wait on the machine's load is not in it
         t0 = time.perf_counter()
+        returned = None
         if side == "megatron":
             train_ds = bench.megatron_build(prefix, SEQ, sizes, cache)[0]
         else:
             from corpusforge.data.cache import wait_for_index_caches, wait_for_index_files
 
             train_ds = bench.ours_build(prefix, SEQ, sizes, cache=cache)[0]
-            returned.append(time.perf_counter() - t0)  # the datasets usable; the cache files still being written
+            returned = time.perf_counter() - t0
             wait_for_index_files()  # as megatron-core leaves its caches: np.save, no fsync
-        seconds.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if side != "megatron":
             wait_for_index_caches()  # its fsyncs (megatron-core does none), outside the timings
         shutil.rmtree(cache)
+        return train_ds, seconds, returned, cpu
+
+    first = [build() for _ in range(builds)]
+    train_ds = first[-1][0]
+    seconds, cpu = [b[1] for b in first], [b[3] for b in first]
+    returned = [b[2] for b in first if b[2] is not None]
     t0 = time.perf_counter()
     train_ds[0]
     first_sample = time.perf_counter() - t0
-    after_read = []  # a process that has read a sample (torch imported)
-    for _ in range(max(2, builds // 2)):
-        cache = Path(tempfile.mkdtemp(prefix="first-build-"))
-        t0 = time.perf_counter()
-        if side == "megatron":
-            bench.megatron_build(prefix, SEQ, sizes, cache)
-        else:
-            bench.ours_build(prefix, SEQ, sizes, cache=cache)
-            wait_for_index_files()
-        after_read.append(time.perf_counter() - t0)
-        if side != "megatron":
-            wait_for_index_caches()
-        shutil.rmtree(cache)
+    after_read = [build()[1] for _ in range(max(2, builds // 2))]  # a process that has read a sample (torch in)
     # A process that trains has read more than a few samples: past corpusforge's first 64 (read through numpy), its
     # compiled kernels are loaded, and its builds shuffle and index with them (megatron-core's are unchanged).
     for i in range(1, 1 + SAMPLES_BEFORE_TRAINING_BUILDS):
         train_ds[i]
-    after_samples = []
-    for _ in range(max(2, builds // 2)):
-        cache = Path(tempfile.mkdtemp(prefix="first-build-"))
-        t0 = time.perf_counter()
-        if side == "megatron":
-            bench.megatron_build(prefix, SEQ, sizes, cache)
-        else:
-            bench.ours_build(prefix, SEQ, sizes, cache=cache)
-            wait_for_index_files()
-        after_samples.append(time.perf_counter() - t0)
-        if side != "megatron":
-            wait_for_index_caches()
-        shutil.rmtree(cache)
+    after_samples = [build()[1] for _ in range(max(2, builds // 2))]
     return {
         "warm_build_after_read_s": statistics.median(after_read[1:]),
         "warm_build_after_samples_s": statistics.median(after_samples[1:]),
