@@ -44,7 +44,7 @@ from corpusforge.train.data import build_retro_data
 from corpusforge.train.model import GPT, GPTConfig, loss_fn
 from corpusforge.train.optim import lr_at, make_optimizer
 from corpusforge.train.retro_model import RetroModel
-from corpusforge.train.trainer import retro_config
+from corpusforge.train.trainer import batch_to_device, retro_config
 
 
 def make_corpus(prefix: Path, n_sequences: int, vocab: int, follow: float, noise: float, seed: int) -> dict:
@@ -91,14 +91,6 @@ def batches(loader, n: int) -> list[dict]:
     return [next(it) for _ in range(n)]
 
 
-def to_model(batch: dict, device: torch.device | None = None) -> dict:
-    device = device or torch.device("cpu")
-    out = {k: batch[k].to(device, non_blocking=True) for k in ("loss_mask", "neighbour_mask")}
-    for k in ("tokens", "labels", "position_ids", "neighbours"):
-        out[k] = batch[k].to(device, non_blocking=True).long()
-    return out
-
-
 def logits(model, b: dict, retro: bool) -> torch.Tensor:
     if retro:
         return model(b["tokens"], b["neighbours"], b["neighbour_mask"], b["position_ids"])
@@ -125,7 +117,7 @@ def train_one(
     t_train = 0.0
     for step in range(steps):
         t0 = time.perf_counter()
-        b = to_model(next(it), device)
+        b = batch_to_device(next(it), device)
         t1 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)  # RETRO's encoder group: a fraction
@@ -199,8 +191,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both machines, so the figures compare
     rc = retro_config(cfg)
     data = build_retro_data(cfg, 0, 1)
-    valid = {"val_loss": [to_model(b, device) for b in batches(data.valid, cfg.metrics.eval_batches)]}
-    valid_random = [to_model(b, device) for b in batches(data.valid_random, cfg.metrics.eval_batches)]
+    valid = {"val_loss": [batch_to_device(b, device) for b in batches(data.valid, cfg.metrics.eval_batches)]}
+    valid_random = [batch_to_device(b, device) for b in batches(data.valid_random, cfg.metrics.eval_batches)]
     results = {}
     torch.manual_seed(cfg.seed)
     gpt = GPT(GPTConfig(rc.n_layer, rc.n_head, rc.n_embd, rc.vocab_size, rc.block_size, 0.0, rc.bias))

@@ -435,11 +435,22 @@ class DataStream:
             if retro:  # the neighbours are tokens of the database's corpus: the same embedding reads them
                 where = f"{cfg.retro.db} (neighbours)"
                 check_vocab(batch["neighbours"], batch["neighbours"], cfg.model.vocab_size, where)
-        keys = ("tokens", "labels", "loss_mask", "position_ids") + (("neighbours", "neighbour_mask") if retro else ())
-        dev = {k: batch[k].to(self.plan.rt.device, non_blocking=self.non_blocking) for k in keys}
-        for k in ("tokens", "labels", "position_ids") + (("neighbours",) if retro else ()):
-            dev[k] = dev[k].long()  # int32 on the wire, int64 for the embedding: widened on the device
-        return dev, wait
+        return batch_to_device(batch, self.plan.rt.device, self.non_blocking), wait
+
+
+def batch_to_device(batch: dict, device: torch.device, non_blocking: bool = True) -> dict[str, torch.Tensor]:
+    """The fields a step reads (a RETRO batch's neighbours too), on `device`; token ids widened to int64 there.
+
+    Example:
+        >>> batch_to_device(next(iter(loader)), torch.device("cuda"))["tokens"].dtype
+        torch.int64
+    """
+    retro = "neighbours" in batch
+    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("neighbours", "neighbour_mask") if retro else ())
+    dev = {k: batch[k].to(device, non_blocking=non_blocking) for k in keys}
+    for k in ("tokens", "labels", "position_ids") + (("neighbours",) if retro else ()):
+        dev[k] = dev[k].long()  # int32 on the wire, int64 for the embedding: widened on the device
+    return dev
 
 
 def forward(plan: Plan, batch: dict[str, torch.Tensor]) -> torch.Tensor:
