@@ -467,7 +467,7 @@ class OpenedIndex:
 
     @classmethod
     def from_bytes(cls, index: Any, name: str) -> OpenedIndex:
-        """An .idx already in memory (fetched from a URL); `name` names it in messages."""
+        """An .idx already in memory (read here, or fetched from a URL); `name` names it in messages."""
         header = parse_header(bytes(index[:HEADER_SIZE]), name)
         return cls(header, index, check_index_size(name, len(index), header), name)
 
@@ -498,8 +498,7 @@ def open_index(prefix: str | os.PathLike) -> OpenedIndex:
             buffer = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the mapping keeps the file: fd closes below
     finally:
         os.close(fd)
-    header = parse_header(bytes(buffer[:HEADER_SIZE]), name)
-    return OpenedIndex(header, buffer, check_index_size(name, len(buffer), header), name)
+    return OpenedIndex.from_bytes(buffer, name)
 
 
 def _pread_all(fd: int, size: int) -> bytes:
