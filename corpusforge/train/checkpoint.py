@@ -23,8 +23,11 @@ and removed at the next start, and the previous checkpoint stays the latest.
 
 Not stalling: `save()` stages a CPU copy of this rank's shards (dcp.async_save) and returns; a background thread
 writes them (its collectives on a gloo group of their own). Only the copy stalls training; both times go to
-metrics.jsonl ("checkpoint_stall" records: stall_s; "checkpoint": write_s). A further save or the end of the run
-waits for the previous write first.
+metrics.jsonl ("checkpoint_stall" records: stall_s, of which wait_s for the previous write and stage_s for the copy;
+"checkpoint": write_s). A further save or the end of the run waits for the previous write first. On a GPU the copy
+lands in pinned host memory that is allocated at the first save and reused by every later one (DCP's DefaultStager,
+as torchtitan's "async_with_pinned_mem"): pageable memory copies at ~1.4 GB/s on an H200, pinned at tens of GB/s,
+for one extra copy of the shards held in host RAM for the run.
 
 Untrusted files: no pickle runs code. trainer.pt is loaded with weights_only=True; DCP's `.metadata` is a pickle,
 read with an unpickler that builds DCP's own metadata classes and nothing else. Checkpoints of corpusforge before
@@ -243,31 +246,37 @@ class Checkpointer:
         >>> ckpt.wait()                                 # before exit: the write is complete, or its error raised
     """
 
-    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool) -> None:
+    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool, pinned: bool = False) -> None:
         import torch.distributed as dist
 
         self.out_dir, self.rank, self.keep, self.asynchronous = Path(out_dir), rank, keep, asynchronous
         # DCP's own collectives (plans, then "all written") on a gloo group: a background save must not interleave
         # with the training's collectives on the default group, and gloo needs no device (as torchtitan does)
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        self._stager = _pinned_stager() if asynchronous and pinned else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last: dict[str, Any] | None = None  # {"step", "path", "write_s"} of the last finished write
+        self.last_stall: dict[str, float] = {}  # {"wait_s", "stage_s"} of the last save() call
 
     def save(self, step: int, state: ShardedState, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write `state` (this rank's shards) and, from rank 0, `trainer` and `meta` as the checkpoint of `step`;
         returns once the shards are staged in host memory when asynchronous."""
         import torch.distributed.checkpoint as dcp
 
-        self.wait()
+        t_wait = time.perf_counter()
+        self.wait()  # before staging: the pinned buffers are the previous write's source until it is done
         root = checkpoint_root(self.out_dir)
         final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP}{PREFIX}{step:08d}"
         if self.rank == 0:  # a killed save's leftovers; the others write only after DCP's plan exchange with rank 0
             shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
+        self.last_stall = {"wait_s": t0 - t_wait}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.asynchronous:
-            future = dcp.async_save(state.flat, storage_writer=writer, **_dcp_kwargs(self.group))
+            future = dcp.async_save(state.flat, storage_writer=writer, async_stager=self._stager,
+                                    **_dcp_kwargs(self.group))  # fmt: skip
+            self.last_stall["stage_s"] = time.perf_counter() - t0
             self._thread = threading.Thread(target=self._finish, args=(future, step, tmp, final, trainer, meta, t0),
                                             name="checkpoint")  # fmt: skip
             self._thread.start()
@@ -295,6 +304,27 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"writing a checkpoint under {self.out_dir} failed: {error}") from error
+
+    def close(self) -> None:
+        """wait(), then free the pinned staging memory."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+
+def _pinned_stager() -> Any:
+    """DCP's stager with pinned host buffers kept across saves; the copy is issued non-blocking and synchronised
+    before save() returns, so the training step after it may change the parameters. None where there is no
+    accelerator to pin for (CPU runs keep DCP's default, pageable copy)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if not torch.accelerator.is_available():
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=True))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -576,7 +576,8 @@ def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: Met
         writer.write(
             "checkpoint", {"step": previous["step"], "path": previous["path"], "write_s": round(previous["write_s"], 4)}
         )
-    writer.write("checkpoint_stall", {"step": step, "stall_s": round(stall, 4), "async": saver.asynchronous})
+    parts = {k: round(v, 4) for k, v in saver.last_stall.items()}  # wait_s for the previous write, stage_s the copy
+    writer.write("checkpoint_stall", {"step": step, "stall_s": round(stall, 4), **parts, "async": saver.asynchronous})
     return stall
 
 
@@ -659,7 +660,8 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         ckpt.remove_partial(out)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     writer = MetricsWriter(out, rt.is_main, cfg.metrics.tensorboard)
-    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write)
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write,
+                              pinned=rt.device.type == "cuda")  # fmt: skip
     start = resume(plan, log, saver.group) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
@@ -720,7 +722,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == last:
             stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
-    saver.wait()
+    saver.close()
     if saver.last is not None and rt.is_main:
         writer.write(
             "checkpoint",
