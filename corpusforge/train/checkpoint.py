@@ -24,10 +24,8 @@ and removed at the next start, and the previous checkpoint stays the latest.
 Not stalling: `save()` stages a CPU copy of this rank's shards (dcp.async_save) and returns; a background thread
 writes them (its collectives on a gloo group of their own). Only the copy stalls training; both times go to
 metrics.jsonl ("checkpoint_stall" records: stall_s, of which wait_s for the previous write and stage_s for the copy;
-"checkpoint": write_s). A further save or the end of the run waits for the previous write first. On a GPU the copy
-lands in pinned host memory that is allocated at the first save and reused by every later one (DCP's DefaultStager,
-as torchtitan's "async_with_pinned_mem"): pageable memory copies at ~1.4 GB/s on an H200, pinned at tens of GB/s,
-for one extra copy of the shards held in host RAM for the run.
+"checkpoint": write_s). A further save or the end of the run waits for the previous write first. The copy lands in
+host buffers allocated at the first save and reused by every later one, pinned on a GPU (checkpoint_staging.py).
 
 Untrusted files: no pickle runs code. trainer.pt is loaded with weights_only=True; DCP's `.metadata` is a pickle,
 read with an unpickler that builds DCP's own metadata classes and nothing else. Checkpoints of corpusforge before
@@ -53,6 +51,7 @@ import torch
 
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
 from corpusforge.fsutil import atomic_write, fsync_dir, write_json_atomic
+from corpusforge.train.checkpoint_staging import PinnedStager
 from corpusforge.train.parallel import tied_aliases
 
 PREFIX, TMP = "step_", ".tmp-"
@@ -246,14 +245,14 @@ class Checkpointer:
         >>> ckpt.wait()                                 # before exit: the write is complete, or its error raised
     """
 
-    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool, pinned: bool = False) -> None:
+    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool) -> None:
         import torch.distributed as dist
 
         self.out_dir, self.rank, self.keep, self.asynchronous = Path(out_dir), rank, keep, asynchronous
         # DCP's own collectives (plans, then "all written") on a gloo group: a background save must not interleave
         # with the training's collectives on the default group, and gloo needs no device (as torchtitan does)
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
-        self._stager = _pinned_stager() if asynchronous and pinned else None
+        self._stager = PinnedStager() if asynchronous else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last: dict[str, Any] | None = None  # {"step", "path", "write_s"} of the last finished write
@@ -313,18 +312,6 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
-
-
-def _pinned_stager() -> Any:
-    """DCP's stager with pinned host buffers kept across saves; the copy is issued non-blocking and synchronised
-    before save() returns, so the training step after it may change the parameters. None where there is no
-    accelerator to pin for (CPU runs keep DCP's default, pageable copy)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    if not torch.accelerator.is_available():
-        return None
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=True))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

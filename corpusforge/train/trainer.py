@@ -660,8 +660,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         ckpt.remove_partial(out)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     writer = MetricsWriter(out, rt.is_main, cfg.metrics.tensorboard)
-    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write,
-                              pinned=rt.device.type == "cuda")  # fmt: skip
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write)
     start = resume(plan, log, saver.group) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
