@@ -151,17 +151,21 @@ def code_environment() -> tuple[dict[str, str], str]:
 
 
 def commit() -> str | None:
-    """The commit measured: git's, or the one wheels.sh recorded (the GPU machine gets a tree without .git)."""
+    """The commit measured: the one wheels.sh recorded when the tree was sent (the GPU machine's copy may carry a
+    stale .git of an earlier commit), else git's."""
+    recorded = (WHEELS / "COMMIT").read_text().strip() if (WHEELS / "COMMIT").exists() else None
+    seen = None
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
         if head.returncode == 0:
             dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True).stdout.strip()  # fmt: skip
-            return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+            seen = head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
     except OSError:
         pass
-    recorded = WHEELS / "COMMIT"
-    return recorded.read_text().strip() if recorded.exists() else None
+    if recorded and seen and recorded.split()[0] != seen.split()[0]:
+        return f"{recorded} (recorded by wheels.sh; git here says {seen})"
+    return recorded or seen
 
 
 def check_machine(smoke: bool, env: dict[str, str], log) -> dict:
