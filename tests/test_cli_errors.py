@@ -339,3 +339,20 @@ def test_torchrun_error_of_one_rank_alone_reaches_torchruns_report(tmp_path):
     assert code != 0 and out.count("rank 1 alone: /scratch/rank1 is full") == 1, out
     assert re.search(r"traceback : rank 1 alone: /scratch/rank1 is full", out), out  # torchrun's root cause
     assert not re.search(r"^\s*File .*corpusforge", out, re.M), out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["export-hf", "--help"], ["train", "--help"], ["preprocess", "--help"]])
+def test_help_does_not_import_torch(argv):
+    # `corpusforge --help` lists every command, so every command module is imported; torch took 2 s of it
+    probe = "\n".join(
+        [
+            "import sys",
+            "from corpusforge.cli import main",
+            "try: main()",
+            "except SystemExit: pass",
+            "print('torch' in sys.modules)",
+        ]
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"

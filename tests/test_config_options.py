@@ -17,7 +17,7 @@ from corpusforge.iobench.config import BenchConfig
 from corpusforge.preprocess import PreprocessConfig
 from corpusforge.retro.build import BuildConfig
 from corpusforge.tokenizers.training import TrainTokenizerConfig
-from corpusforge.train.export_hf import ExportConfig
+from corpusforge.train.config import ExportConfig
 
 
 @dataclasses.dataclass(frozen=True)

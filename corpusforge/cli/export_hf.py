@@ -9,7 +9,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options
-from corpusforge.train.export_hf import ExportConfig
+from corpusforge.train.config import ExportConfig
 
 
 @click.command("export-hf", cls=_report.Command)

@@ -10,22 +10,35 @@ schedule), data (loaders sized from the config), checkpoint (atomic, asynchronou
 metrics (log lines, JSONL, TensorBoard, MFU), export_hf (Hugging Face checkpoints), trainer (the loop).
 """
 
-from corpusforge.train.checkpoint import CheckpointError
-from corpusforge.train.config import ConfigError, TrainConfig, load_config
-from corpusforge.train.data import DataError
-from corpusforge.train.llama import Llama, LlamaConfig
-from corpusforge.train.model import GPT, GPTConfig
-from corpusforge.train.trainer import train
+from __future__ import annotations
 
-__all__ = [
-    "GPT",
-    "CheckpointError",
-    "ConfigError",
-    "DataError",
-    "GPTConfig",
-    "Llama",
-    "LlamaConfig",
-    "TrainConfig",
-    "load_config",
-    "train",
-]
+import importlib
+from typing import Any
+
+# Resolved on first use (PEP 562): `corpusforge.train.config` is what the CLI reads to build `corpusforge train`'s and
+# `export-hf`'s options, and importing it must not import torch (2 s; `corpusforge --help` lists every command).
+_EXPORTS = {
+    "CheckpointError": "checkpoint",
+    "ConfigError": "config",
+    "DataError": "data",
+    "GPT": "model",
+    "GPTConfig": "model",
+    "Llama": "llama",
+    "LlamaConfig": "llama",
+    "TrainConfig": "config",
+    "load_config": "config",
+    "train": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

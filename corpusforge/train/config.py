@@ -876,3 +876,25 @@ def describe_keys() -> str:
 
 def _indent(doc: str) -> str:
     return doc.replace("\n", "\n    ")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What `corpusforge export-hf` exports and where to (its options are these fields).
+
+    Example:
+        >>> from corpusforge.train.export_hf import export_hf  # torch is imported there, not here
+        >>> export_hf(**asdict(ExportConfig(run_dir=Path("runs/a"), output=Path("hf/a"))))  # doctest: +SKIP
+    """
+
+    run_dir: Path
+    """The training run's directory (`out_dir`), whose checkpoints/ hold the model."""
+
+    output: Path
+    """Directory to write (created as needed)."""
+
+    checkpoint: Path | None = None
+    """A step_* directory; default: the run's latest complete checkpoint."""
+
+    tokenizer: Path | None = None
+    """A Hugging Face tokenizer (directory or tokenizer.json) to ship with the model."""

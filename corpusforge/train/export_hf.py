@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,27 +120,6 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: GPTConfig | LlamaConfig) 
 def to_hf(model: GPT | Llama) -> Any:
     """An in-memory transformers model holding `model`'s weights (float32, eval mode)."""
     return to_hf_from_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.cfg)
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """What `corpusforge export-hf` exports and where to (its options are these fields).
-
-    Example:
-        >>> export_hf(**asdict(ExportConfig(run_dir=Path("runs/a"), output=Path("hf/a"))))  # doctest: +SKIP
-    """
-
-    run_dir: Path
-    """The training run's directory (`out_dir`), whose checkpoints/ hold the model."""
-
-    output: Path
-    """Directory to write (created as needed)."""
-
-    checkpoint: Path | None = None
-    """A step_* directory; default: the run's latest complete checkpoint."""
-
-    tokenizer: Path | None = None
-    """A Hugging Face tokenizer (directory or tokenizer.json) to ship with the model."""
 
 
 def export_hf(run_dir: str | Path, output: str | Path, checkpoint: str | Path | None = None,
