@@ -26,6 +26,26 @@ def test_staged_copy_is_independent_of_training_and_reuses_its_buffers() -> None
     stager.close()
 
 
+def test_one_block_holds_every_dtype_and_shape_at_its_exact_size() -> None:
+    state = {
+        "optim.state.w.step": torch.tensor(7.0),  # a scalar
+        "model.empty": torch.zeros(0, 3),
+        "model.flags": torch.tensor([True, False, True]),
+        "model.half": torch.arange(5, dtype=torch.bfloat16),
+        "model.ids": torch.arange(3, dtype=torch.int64),
+    }
+    stager = PinnedStager()
+    staged = stager.stage(state)
+    for name, value in state.items():
+        assert staged[name].dtype == value.dtype and staged[name].shape == value.shape, name
+        assert torch.equal(staged[name], value), name
+        assert staged[name].data_ptr() % PinnedStager.ALIGN == 0 or staged[name].numel() == 0, name
+    # each buffer rounded up to a cache line only: not to a power of two per tensor, as the pinned allocator does
+    assert stager.nbytes == 4 * PinnedStager.ALIGN
+    stager.close()
+    assert stager.nbytes == 0
+
+
 def test_a_non_tensor_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="optim.lr is a float"):
         PinnedStager().stage({"optim.lr": 0.1})
