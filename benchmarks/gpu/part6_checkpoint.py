@@ -26,6 +26,27 @@ SIZES = {
 }  # fmt: skip
 
 
+def staging_is_exact(ctx: Context, device: str) -> bool:
+    """Save asynchronously, overwrite the weights at once, load the checkpoint back: the saved weights or not."""
+    import torch
+
+    from corpusforge.train import checkpoint as ckpt
+    from corpusforge.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, block_size=128)
+    model = GPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saver = ckpt.Checkpointer(ctx.work / "exact", rank=0, keep=1, asynchronous=True)
+    saver.save(1, ckpt.ShardedState.of(model, optimizer), {"step": 1}, {"step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)  # the next step, while the write is in flight
+    saver.close()
+    loaded = ckpt.load_model(ckpt.latest_checkpoint(ctx.work / "exact"), GPT(cfg))
+    return all(torch.equal(loaded.state_dict()[k].cpu(), v.cpu()) for k, v in before.items())
+
+
 def run(ctx: Context) -> None:
     need_cuda(ctx)
     s = SIZES[ctx.smoke]
@@ -61,6 +82,10 @@ def run(ctx: Context) -> None:
             "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir()) if ckpt and ckpt.exists() else None,
         }
         ctx.save()
+    r["figures"]["staging_exact"] = staging_is_exact(ctx, "cpu" if ctx.smoke else "cuda")
+    ctx.save()
+    if not r["figures"]["staging_exact"]:
+        raise AssertionError("an async checkpoint did not hold the weights at its save (the staged copy raced)")
     a, b = r["runs"]["async"], r["runs"]["sync"]
     gb = round((a["checkpoint_bytes"] or 0) / 1e9, 3)
     reused = a["stage_s_reused"]
