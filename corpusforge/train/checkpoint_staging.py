@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -79,11 +78,7 @@ class PinnedStager(AsyncStager):
             offsets.append(total)
             nbytes = math.prod(shape) * dtype.itemsize
             total += -(-nbytes // self.ALIGN) * self.ALIGN
-        # numpy's allocation, not torch's: numpy asks the kernel for transparent huge pages on large arrays
-        # (madvise), so pinning faults 2 MiB at a time and the copies gather fewer pages
-        raw = np.empty(max(total, 1) + self.ALIGN, dtype=np.uint8)
-        skip = -raw.ctypes.data % self.ALIGN
-        block = torch.from_numpy(raw[skip : skip + max(total, 1)])
+        block = torch.empty(max(total, 1), dtype=torch.uint8)
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0)
             if int(err) != 0:
