@@ -84,9 +84,15 @@ class PinnedStager(AsyncStager):
             if int(err) != 0:
                 raise RuntimeError(f"checkpoint staging: pinning {block.numel()} bytes of host memory failed ({err})")
             self._registered = True
+        # Each buffer gets a storage of its own size over its part of the block (frombuffer), not a view of the
+        # block's storage: DCP's writer clones a tensor whose storage is larger than itself before writing it.
+        memory = block.numpy()
         for (name, shape, dtype), at in zip(layout, offsets):
-            nbytes = math.prod(shape) * dtype.itemsize
-            self._buffers[name] = block[at : at + nbytes].view(dtype).view(shape)
+            count = math.prod(shape)
+            if count:
+                self._buffers[name] = torch.frombuffer(memory, dtype=dtype, count=count, offset=at).view(shape)
+            else:  # frombuffer refuses a count of 0
+                self._buffers[name] = torch.empty(shape, dtype=dtype)
         self._block, self._layout = block, layout
 
 

@@ -40,6 +40,8 @@ def test_one_block_holds_every_dtype_and_shape_at_its_exact_size() -> None:
         assert staged[name].dtype == value.dtype and staged[name].shape == value.shape, name
         assert torch.equal(staged[name], value), name
         assert staged[name].data_ptr() % PinnedStager.ALIGN == 0 or staged[name].numel() == 0, name
+        # a storage of its own size: DCP's writer would copy a tensor viewing a larger storage before writing it
+        assert staged[name].untyped_storage().nbytes() == staged[name].nbytes, name
     # each buffer rounded up to a cache line only: not to a power of two per tensor, as the pinned allocator does
     assert stager.nbytes == 4 * PinnedStager.ALIGN
     stager.close()
