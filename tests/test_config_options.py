@@ -15,7 +15,7 @@ from corpusforge.cli.types import COUNT, Size, SizeList
 from corpusforge.configs import field_docs
 from corpusforge.iobench.config import BenchConfig
 from corpusforge.preprocess import PreprocessConfig
-from corpusforge.retro.build import BuildConfig
+from corpusforge.retro.config import BuildConfig
 from corpusforge.tokenizers.training import TrainTokenizerConfig
 from corpusforge.train.config import ExportConfig
 

@@ -19,8 +19,8 @@ from corpusforge import __version__
 from corpusforge.cli import _report
 
 # Where each command lives: a command's module is imported when the command is asked for, so `corpusforge
-# preprocess` starts without build-knn's numba and faiss helpers or the trainer's torch (its options are made from
-# its config dataclass at import, and build-knn's BuildConfig sits beside them: ~1 s of start-up).
+# preprocess` starts without build-knn's numba and faiss helpers or the trainer's torch. `--help` imports them all:
+# their options come from config dataclasses in modules that import neither (retro/config.py, train/config.py).
 COMMANDS = {
     "preprocess": "corpusforge.cli.preprocess:preprocess_cmd",
     "megatron-preprocess": "corpusforge.cli.megatron_preprocess:megatron_preprocess_cmd",

@@ -11,7 +11,7 @@ import click
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options, executor_opts
 from corpusforge.cli.types import COUNT, Size
-from corpusforge.retro.build import BuildConfig
+from corpusforge.retro.config import BuildConfig
 
 # what each stage's bar counts
 _UNITS = {"chunks": "chunks", "embedding": "chunks", "index": "vectors", "recall": "settings", "neighbours": "chunks"}

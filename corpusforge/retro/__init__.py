@@ -21,8 +21,30 @@ file system); the bytes written do not depend on which, nor on how many workers.
 its parts and tuning recall run in the driver; an HNSW graph cannot be merged, so it is filled there too.
 """
 
-from corpusforge.retro.build import BuildConfig, BuildResult, build_knn, query_knn
-from corpusforge.retro.common import RetroError
-from corpusforge.retro.dataset import RetroDataset
+from __future__ import annotations
 
-__all__ = ["BuildConfig", "BuildResult", "RetroDataset", "RetroError", "build_knn", "query_knn"]
+import importlib
+from typing import Any
+
+# Resolved on first use (PEP 562), as in corpusforge.train: `corpusforge.retro.config` must not import numba (0.4 s)
+_EXPORTS = {
+    "BuildConfig": "config",
+    "BuildResult": "build",
+    "RetroDataset": "dataset",
+    "RetroError": "common",
+    "build_knn": "build",
+    "query_knn": "build",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
