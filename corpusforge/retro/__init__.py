@@ -23,8 +23,7 @@ its parts and tuning recall run in the driver; an HNSW graph cannot be merged, s
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from corpusforge.lazy_exports import lazy_exports
 
 # Resolved on first use (PEP 562), as in corpusforge.train: `corpusforge.retro.config` must not import numba (0.4 s)
 _EXPORTS = {
@@ -35,16 +34,4 @@ _EXPORTS = {
     "build_knn": "build",
     "query_knn": "build",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ metrics (log lines, JSONL, TensorBoard, MFU), export_hf (Hugging Face checkpoint
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from corpusforge.lazy_exports import lazy_exports
 
 # Resolved on first use (PEP 562): `corpusforge.train.config` is what the CLI reads to build `corpusforge train`'s and
 # `export-hf`'s options, and importing it must not import torch (2 s; `corpusforge --help` lists every command).
@@ -29,16 +28,4 @@ _EXPORTS = {
     "load_config": "config",
     "train": "trainer",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
