@@ -789,11 +789,13 @@ class LocalBinReader(BinReader):
         40960
     """
 
+    default_read_mode = ""  # each variant's own mode name, where the caller gives none
+
     def __init__(
         self,
         path: str | os.PathLike,
         dtype: np.dtype,
-        read_mode: str,
+        read_mode: str | None = None,
         read_mode_reason: str = "configured",
         nbytes: int | None = None,
     ) -> None:
@@ -801,7 +803,11 @@ class LocalBinReader(BinReader):
         super().__init__(path, dtype, regular_file_size(path) if nbytes is None else nbytes)
         if not os.access(path, os.R_OK):
             raise PermissionError(errno.EACCES, "no permission to read the dataset's .bin", path)
-        self.read_mode, self.read_mode_reason = read_mode, read_mode_reason
+        self.read_mode, self.read_mode_reason = read_mode or self.default_read_mode, read_mode_reason
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The variant's own state (nothing opened yet: that happens at the first read)."""
 
 
 class MMapBinReader(LocalBinReader):
@@ -818,15 +824,9 @@ class MMapBinReader(LocalBinReader):
         array([  464,  2068, 50256], dtype=uint16)
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        dtype: np.dtype,
-        read_mode: str = "mmap",
-        read_mode_reason: str = "configured",
-        nbytes: int | None = None,
-    ) -> None:
-        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
+    default_read_mode = "mmap"
+
+    def _init_state(self) -> None:
         self._map: np.ndarray | None = None
         self._closed = False
 

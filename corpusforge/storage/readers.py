@@ -46,16 +46,9 @@ class PreadBinReader(LocalBinReader):
     """
 
     flags = 0  # os.open flags beyond O_RDONLY
+    default_read_mode = "pread"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        dtype: np.dtype,
-        read_mode: str = "pread",
-        read_mode_reason: str = "configured",
-        nbytes: int | None = None,
-    ) -> None:
-        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
+    def _init_state(self) -> None:
         self._fd: int | None = None
         self._fd_pid = -1
 
@@ -98,17 +91,11 @@ class DirectBinReader(PreadBinReader):
     """
 
     flags = os.O_DIRECT
+    default_read_mode = "direct"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        dtype: np.dtype,
-        read_mode: str = "direct",
-        read_mode_reason: str = "configured",
-        nbytes: int | None = None,
-    ) -> None:
-        super().__init__(path, dtype, read_mode, read_mode_reason, nbytes)
-        self._align = logical_block_size(path)
+    def _init_state(self) -> None:
+        super()._init_state()
+        self._align = logical_block_size(self.location)
 
     def _read_into(self, fd: int, starts: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> np.ndarray:
         a = self._align
