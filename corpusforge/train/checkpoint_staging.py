@@ -73,11 +73,10 @@ class PinnedStager(AsyncStager):
         if layout == self._layout and (self._registered or not pin):
             return
         self.close()
-        offsets, total = [], 0
+        places, total = [], 0  # (first byte, element count) of each buffer in the block
         for _, shape, dtype in layout:
-            offsets.append(total)
-            nbytes = math.prod(shape) * dtype.itemsize
-            total += -(-nbytes // self.ALIGN) * self.ALIGN
+            places.append((total, math.prod(shape)))
+            total += -(-places[-1][1] * dtype.itemsize // self.ALIGN) * self.ALIGN
         block = torch.empty(max(total, 1), dtype=torch.uint8)
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0)
@@ -87,8 +86,7 @@ class PinnedStager(AsyncStager):
         # Each buffer gets a storage of its own size over its part of the block (frombuffer), not a view of the
         # block's storage: DCP's writer clones a tensor whose storage is larger than itself before writing it.
         memory = block.numpy()
-        for (name, shape, dtype), at in zip(layout, offsets):
-            count = math.prod(shape)
+        for (name, shape, dtype), (at, count) in zip(layout, places):
             if count:
                 self._buffers[name] = torch.frombuffer(memory, dtype=dtype, count=count, offset=at).view(shape)
             else:  # frombuffer refuses a count of 0
