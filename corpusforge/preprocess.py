@@ -586,10 +586,8 @@ def _extracting_ahead(config: PreprocessConfig, files: Sequence[Path], executor:
     tasks here, again, costs a stat and a few reads per file); a resumed run plans its tasks from its manifest.
     A plan that differs anyway only loses the work: blocks are matched by their byte range in the file.
     """
-    if executor.name != "local" or config.resume or len(config.json_keys) != 1:
-        yield
-        return
-    if not files or len(files) > EXTRACT_AHEAD_MAX_FILES:
+    local_one_key = executor.name == "local" and not config.resume and len(config.json_keys) == 1
+    if not local_one_key or not files or len(files) > EXTRACT_AHEAD_MAX_FILES:
         yield
         return
     stop, scanning = bytearray(1), threading.Event()
