@@ -29,7 +29,7 @@ from corpusforge.data.cache import IndexCache, completing_after
 from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_together, split_ranges
 from corpusforge.indexed import IndexedDataset
 from corpusforge.storage import StorageConfig
-from corpusforge.storage.datasets import open_datasets as storage_open_datasets
+from corpusforge.storage.datasets import open_datasets
 
 Dataset = GPTDataset | BlendedDataset
 
@@ -75,17 +75,6 @@ def _blend_parts(
         if parts:
             build_together(parts, cache, f"GPTDatasets-{name}")
     return per_prefix
-
-
-def open_datasets(prefixes: Sequence[str], storage: StorageConfig | None = None) -> list[IndexedDataset]:
-    """open_dataset of each prefix, validated, in order (the first error in the order of the prefixes is raised);
-    a blend's small files get one read-mode decision (storage.datasets.open_datasets).
-
-    Example:
-        >>> [len(ds) for ds in open_datasets(["out/a_text_document", "out/b_text_document"])]
-        [1000, 400]
-    """
-    return storage_open_datasets(prefixes, storage)
 
 
 def build_gpt_datasets(
