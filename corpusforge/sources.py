@@ -528,8 +528,7 @@ def drop_prefetched(upto: int | None = None) -> None:
 def _take_prefetched(task: Task, key: str) -> dict:
     """The blocks of `task` extracted ahead ({} if none), forgotten here; so are those of the tasks before it,
     which another worker took (tasks are handed out in order)."""
-    for index in [i for i in _prefetched if i < task.index]:
-        del _prefetched[index]
+    drop_prefetched(upto=task.index - 1)
     path, prefetched_key, blocks = _prefetched.pop(task.index, (None, None, {}))
     return blocks if path == task.path and prefetched_key == key and task.format == "jsonl" else {}
 
