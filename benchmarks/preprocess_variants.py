@@ -1,8 +1,9 @@
-"""The tokenizer ceiling of bench_preprocess.py, in its own process and timed from inside.
+"""The tokenizer ceiling (a) and floor (e) of bench_preprocess.py, each in its own process and timed from inside.
 
     python benchmarks/preprocess_variants.py {a,e} --input corpus.jsonl [--tiktoken PATH/r50k_base.tiktoken] --workers 2
 
-prints one JSON object on stdout: seconds, documents, tokens, and the sha256 of the tokens as an int32 .bin.
+prints one JSON object on stdout: seconds, the tokenizer's load time, documents, tokens, and for (a) the sha256 of the
+tokens as an int32 .bin.
 
   a  gigatoken's own `encode_batch(texts, parallel=True)` on texts already parsed into memory (orjson, before the
      timer; the tokenizer is loaded before the timer too): the raw batched call, the ceiling of any pipeline that
