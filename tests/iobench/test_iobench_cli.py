@@ -125,6 +125,10 @@ def test_disk_full_during_the_run_is_reported_not_a_crash(tmpfs):
     assert os.listdir(small) == []
 
 
+def _sigint_as_in_the_foreground() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_removes_every_file(tmp_path):
     proc = subprocess.Popen(
         [
@@ -145,6 +149,9 @@ def test_ctrl_c_removes_every_file(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # As a foreground job starts. A shell without job control starts its background jobs with SIGINT ignored
+        # (`(pytest &)` in a script), and bench-io would inherit that: no Ctrl-C could reach it then.
+        preexec_fn=_sigint_as_in_the_foreground,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until the workers are reading
