@@ -308,10 +308,10 @@ def corpusforge_exe() -> str:
     return str(exe) if exe.exists() else shutil.which("corpusforge") or "corpusforge"
 
 
-def run_a(
+def run_variant(
     corpus: Path, workers: int, cpus, work: Path, tiktoken: Path | None = None, sample=False, variant: str = "a"
 ) -> Timing:
-    """(a), or with variant="e" the floor (e): preprocess_variants.py in its own process, timed from inside."""
+    """(a) the raw call, or (e) the floor: preprocess_variants.py VARIANT in its own process, timed from inside."""
     cmd = [sys.executable, str(VARIANTS_SCRIPT), variant, "--input", str(corpus), "--workers", str(workers)]
     cmd += ["--tiktoken", str(tiktoken)] if tiktoken else []
     env = {**os.environ, "RAYON_NUM_THREADS": str(workers)}  # gigatoken's pool: one thread per worker
@@ -407,19 +407,20 @@ def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) ->
                 if name == "b":
                     runs["b"].append(run_b(corpus, prefix, args.workers, cpus, "cl100k_base", eod=False))
                 else:
-                    runs[name].append(run_a(corpus, args.workers, cpus, work, variant=name))
+                    runs[name].append(run_variant(corpus, args.workers, cpus, work, variant=name))
                 r = runs[name][-1]
                 r.others_cpu = max(r.others_cpu - (busy.cpu_s() - spun), 0.0)  # the busy core is part of the setup
                 print(f"  [{mode}] {name} {r.seconds:6.3f} s (wall {r.wall:6.2f} s, load {r.load_before})", flush=True)
-    a, b, e = median_of(runs["a"]), median_of(runs["b"]), median_of(runs["e"])
+    median = {n: median_of(rs) for n, rs in runs.items()}
+    a, b, e = median["a"], median["b"], median["e"]
     a_load = statistics.median(r.info["tokenizer_load_s"] for r in runs["a"])
     if any(r.info["tokens"] != runs["a"][0].info["tokens"] for r in runs["e"]):
         raise SystemExit("(e) encoded another number of tokens than (a): the floor would time different work")
     out = {
         "busy": mode,
         "runs": {n: [r.json() for r in rs] for n, rs in runs.items()},
-        "median_s": {"a": a, "b": b, "e": e},
-        "mb_s": {"a": text_bytes / a / MB, "b": text_bytes / b / MB, "e": text_bytes / e / MB},
+        "median_s": median,
+        "mb_s": {n: text_bytes / m / MB for n, m in median.items()},
         "b_over_a": a / b,
         # the most any pipeline that loads the tokenizer and then encodes on `workers` processes can show against
         # (a); and how near (b) comes to that floor
@@ -439,8 +440,8 @@ def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) ->
     out["cpu_s_median"] = {n: statistics.median(r.cpu for r in rs) for n, rs in runs.items()}
     out["quiet"] = {"others_cpu_below_s": args.quiet_cpu, "runs": {n: len(rs) for n, rs in quiet.items()}}
     if all(quiet.values()):
-        qa, qb, qe = median_of(quiet["a"]), median_of(quiet["b"]), median_of(quiet["e"])
-        out["quiet"].update(median_s={"a": qa, "b": qb, "e": qe}, b_over_a=qa / qb, e_over_a=qa / qe)
+        q = {n: median_of(rs) for n, rs in quiet.items()}
+        out["quiet"].update(median_s=q, b_over_a=q["a"] / q["b"], e_over_a=q["a"] / q["e"])
     out["met"] = out["b_over_a"] >= TARGET_B_OVER_A
     if mode == args.busy[0]:  # the tokens, once: (b)'s .bin must hold what (a) encoded
         same = runs["a"][0].info["bin_sha256"] == sha256_file(f"{prefix}_text_document.bin")
@@ -448,7 +449,7 @@ def ceiling(args, corpus: Path, text_bytes: int, work: Path, cpus, mode: str) ->
         out["tokens"] = runs["a"][0].info["tokens"]
         if not args.no_memory:
             out["peak_memory"] = {
-                "a": run_a(corpus, args.workers, cpus, work, sample=True).json(),
+                "a": run_variant(corpus, args.workers, cpus, work, sample=True).json(),
                 "b": run_b(corpus, prefix, args.workers, cpus, "cl100k_base", eod=False, sample=True).json(),
             }
     remove_dataset(f"{prefix}_text_document")
@@ -528,7 +529,7 @@ def megatron(args, corpus: Path, work: Path, cpus) -> dict:
             print(f"  [megatron] {name} wall {r.wall:7.2f} s, own timer {own} s, load {r.load_before}", flush=True)
             hashes[name] = {k: sha256_file(f"{prefix}_text_document.{k}") for k in ("bin", "idx")}
             remove_dataset(f"{prefix}_text_document")
-        runs["a"].append(run_a(mg_input, args.workers, cpus, work, tiktoken=ranks))
+        runs["a"].append(run_variant(mg_input, args.workers, cpus, work, tiktoken=ranks))
     identical = len({json.dumps(h, sort_keys=True) for h in hashes.values()}) == 1
     med = {n: {"wall_s": median_of(rs, "wall"), "seconds": median_of(rs) if rs[0].seconds is not None else None}
            for n, rs in runs.items() if rs}  # fmt: skip
