@@ -82,7 +82,8 @@ def variant_e(args: argparse.Namespace) -> dict:
     import orjson
     from gigatoken import BytesSource
 
-    sep = b"\xff"  # never in UTF-8 text
+    from corpusforge.jsonl_field import SEPARATOR as sep  # the separator corpusforge's joined texts use
+
     with open(args.input, "rb") as f:
         texts = [orjson.loads(line)["text"].encode() for line in f]
     share = -(-sum(map(len, texts)) // args.workers)
