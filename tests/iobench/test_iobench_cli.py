@@ -258,8 +258,12 @@ def test_train_plot_draws_utilisation_against_accelerators(tmp_path):
     proc = cli(str(out), "--pattern", "train", *loader, *train, "--plot", str(png), "--json", str(report))
     assert proc.returncode in (0, 4), proc.stderr  # 4: stalls, which a loaded 2-core machine may show
     doc = json.loads(report.read_text())
-    tried = sorted(r["extra"]["accelerators"] for r in doc["results"])
-    assert tried[0] == 1 and len(tried) >= 2
+    utilization = {r["extra"]["accelerators"]: r["extra"]["utilization"] for r in doc["results"]}
+    tried = sorted(utilization)
+    # The search's contract, whatever the machine's load: it starts at 1 and doubles while the target is met (a
+    # loaded machine may miss 90% at 1 accelerator, and then 1 is all there is to draw).
+    assert tried[0] == 1
+    assert (2 in tried) == (utilization[1] >= 0.9), utilization
     image = matplotlib.image.imread(png)  # (H, W, RGBA) floats
     assert image.shape[:2] == (550, 1430)  # two panels (accelerators, latency CDF) of 6.5 x 5 in at 110 dpi
     rgb = image[..., :3]
