@@ -13,6 +13,7 @@ strings are the one documentation of each option: `corpusforge.cli.config_option
 from __future__ import annotations
 
 import ast
+import collections.abc
 import dataclasses
 import difflib
 import inspect
@@ -28,7 +29,13 @@ T = TypeVar("T")
 
 
 class ConfigError(CorpusforgeError, ValueError):
-    """A configuration that cannot run: unknown key, wrong type, or values that do not fit together."""
+    """A configuration that cannot run: unknown key, wrong type, or values that do not fit together. `keys` names the
+    keys (dotted: `schedule.min_lr`) whose values are wrong, so that a reader of several sources (a file, then the
+    command line) can say which source gave them."""
+
+    def __init__(self, message: str, keys: typing.Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 @cache
@@ -70,12 +77,63 @@ def accepts(annotation: Any, value: Any) -> bool:
         return value is None
     if annotation is Any:
         return True
+    if typing.get_origin(annotation) is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(annotation))
     origin = typing.get_origin(annotation) or annotation
     if origin is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if origin is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, origin)
+
+
+# What a value of each plain type is called in an error, as a person who writes TOML or a command line reads it.
+_TYPE_WORDS = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"),
+               bool: ("true or false", "true or false values"), str: ("a string", "strings"),
+               dict: ("a table", "tables"), collections.abc.Mapping: ("a table", "tables"), list: ("a list", "lists"),
+               tuple: ("a list", "lists")}  # fmt: skip
+
+
+def type_words(annotation: Any, plural: bool = False) -> str:
+    """A field annotation in words: `int` is "a whole number", `float | None` "a number", `Literal["a", "b"]` "one
+    of 'a', 'b'", `list[int]` "a list of whole numbers".
+
+    Example:
+        >>> type_words(int), type_words(bool | str), type_words(typing.Literal["mmap", "pread"]), type_words(list[int])
+        ('a whole number', 'true or false or a string', "one of 'mmap', 'pread'", 'a list of whole numbers')
+    """
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        parts = [a for a in typing.get_args(annotation) if a is not type(None)] or [type(None)]
+        return " or ".join(dict.fromkeys(type_words(a, plural) for a in parts))
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if annotation is type(None) or annotation is None:
+        return "nothing"
+    if annotation is Any:
+        return "values" if plural else "any value"
+    if dataclasses.is_dataclass(annotation):
+        return "tables" if plural else "a table"
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (list, tuple):
+        items = {a for a in typing.get_args(annotation) if a is not Ellipsis and a is not Any}
+        if len(items) == 1 and not plural:
+            return f"a list of {type_words(items.pop(), plural=True)}"
+    words = _TYPE_WORDS.get(origin)
+    if words is None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name} values" if plural else f"a {name}"
+    return words[plural]
+
+
+def type_problem(annotation: Any, value: Any) -> str | None:
+    """None when `value` fits the field annotation, else what was expected in words: the one wording of a value of
+    the wrong type, whichever config reads it.
+
+    Example:
+        >>> type_problem(int, "x"), type_problem(float, 3)
+        ('expected a whole number', None)
+    """
+    return None if accepts(annotation, value) else f"expected {type_words(annotation)}"
 
 
 def unknown_key_hint(key: str, names: typing.Iterable[str]) -> str:
@@ -106,8 +164,9 @@ def from_table(
     for key, value in values.items():
         if key not in names:
             raise error(f"{where}: unknown key {key!r}; {unknown_key_hint(key, names)}")
-        if check_types and not dataclasses.is_dataclass(hints[key]) and not accepts(hints[key], value):
-            raise error(f"{where}: {key} = {value!r}: expected {hints[key]}")
+        problem = None if dataclasses.is_dataclass(hints[key]) else type_problem(hints[key], value)
+        if check_types and problem:
+            raise error(f"{where}: {key} = {value!r}: {problem}")
     try:
         return cls(**values)
     except CorpusforgeError as e:

@@ -42,7 +42,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from corpusforge.configs import ConfigError, accepts, field_default, field_docs, from_table
+from corpusforge.configs import ConfigError, field_default, field_docs, from_table, type_problem
 from corpusforge.storage import StorageConfig
 
 
@@ -380,7 +380,8 @@ class TrainConfig:
         if isinstance(self.parallel, str):
             if self.parallel not in PARALLEL_LEGACY:
                 raise ConfigError(
-                    f"parallel = {self.parallel!r}: choose one of {list(PARALLEL_LEGACY)} or set [parallel]"
+                    f"parallel = {self.parallel!r}: choose one of {list(PARALLEL_LEGACY)} or set [parallel]",
+                    ["parallel"],
                 )
             object.__setattr__(self, "parallel", ParallelConfig(**PARALLEL_LEGACY[self.parallel]))
         _check_types(self, "")
@@ -413,7 +414,7 @@ class TrainConfig:
         values = {k: v for k, v in table.items() if k in known and k not in SECTIONS}
         for name in SECTIONS:
             if isinstance(table.get(name), dict):
-                values[name] = _section(name, table[name], "recorded config")
+                values[name] = _section(name, table[name], f"recorded config: [{name}]")
         return cls(**values)
 
     @property
@@ -557,9 +558,9 @@ def _check_types(section: Any, prefix: str) -> None:
         value, hint = getattr(section, f.name), hints[f.name]
         if is_dataclass(hint):
             if not isinstance(value, hint):
-                raise ConfigError(f"{prefix}{f.name} = {value!r}: expected the section [{f.name}]")
-        elif not accepts(hint, value):
-            raise ConfigError(f"{prefix}{f.name} = {value!r}: expected {hint}")
+                raise ConfigError(f"{prefix}{f.name} = {value!r}: expected the section [{f.name}]", [prefix + f.name])
+        elif problem := type_problem(hint, value):
+            raise ConfigError(f"{prefix}{f.name} = {value!r}: {problem}", [prefix + f.name])
         elif hint is float and isinstance(value, int):
             object.__setattr__(section, f.name, float(value))
 
@@ -569,29 +570,34 @@ def _check_values(cfg: TrainConfig) -> None:
         if key == "model.name":
             allowed = [*allowed, "retro", *_retro_presets()]
         if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key} = {_get(cfg, key)!r}: choose one of {allowed}")
+            close = difflib.get_close_matches(str(_get(cfg, key)), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key} = {_get(cfg, key)!r}: choose one of {allowed}{hint}", [key])
     if cfg.compile not in (True, False, "auto"):
-        raise ConfigError(f'compile = {cfg.compile!r}: choose true, false or "auto"')
+        raise ConfigError(f'compile = {cfg.compile!r}: choose true, false or "auto"', ["compile"])
     for key in POSITIVE:
         if _get(cfg, key) < 1:
-            raise ConfigError(f"{key} = {_get(cfg, key)}: must be at least 1")
+            raise ConfigError(f"{key} = {_get(cfg, key)}: must be at least 1", [key])
     for key in NOT_NEGATIVE:
         if _get(cfg, key) < 0:
-            raise ConfigError(f"{key} = {_get(cfg, key)}: must not be negative")
+            raise ConfigError(f"{key} = {_get(cfg, key)}: must not be negative", [key])
     if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"checkpoint.keep = {cfg.checkpoint.keep}: keep at least 1")
+        raise ConfigError(f"checkpoint.keep = {cfg.checkpoint.keep}: keep at least 1", ["checkpoint.keep"])
     m = cfg.model
     if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout = {m.dropout}: must be in [0, 1)")
+        raise ConfigError(f"model.dropout = {m.dropout}: must be in [0, 1)", ["model.dropout"])
     if cfg.schedule.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"schedule.min_lr {cfg.schedule.min_lr} is above optimizer.lr {cfg.optimizer.lr}")
+        raise ConfigError(f"schedule.min_lr {cfg.schedule.min_lr} is above optimizer.lr {cfg.optimizer.lr}",
+                          ["schedule.min_lr", "optimizer.lr"])  # fmt: skip
+    shape_keys = ["model.name", "model.n_layer", "model.n_head", "model.n_embd"]
     if m.name in ("custom", "retro") and not (m.n_layer and m.n_head and m.n_embd):
-        raise ConfigError(f"model.name = {m.name!r} needs model.n_layer, model.n_head and model.n_embd")
+        raise ConfigError(f"model.name = {m.name!r} needs model.n_layer, model.n_head and model.n_embd", shape_keys)
     n_head, n_embd = cfg.model_shape()[1:]
     if n_embd % n_head:
-        raise ConfigError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
+        raise ConfigError(f"n_embd {n_embd} is not a multiple of n_head {n_head}", shape_keys)
     if cfg.family == "llama" and n_head % cfg.llama_shape()["n_kv_head"]:
-        raise ConfigError(f"n_head {n_head} is not a multiple of n_kv_head {cfg.llama_shape()['n_kv_head']}")
+        raise ConfigError(f"n_head {n_head} is not a multiple of n_kv_head {cfg.llama_shape()['n_kv_head']}",
+                          [*shape_keys, "model.n_kv_head"])  # fmt: skip
     _check_parallel(cfg.parallel)
     _check_retro(cfg.retro)
 
@@ -600,12 +606,13 @@ def _check_retro(r: RetroSection) -> None:
     """Each [retro] value on its own; the database itself is checked when the data is built."""
     for key in ("num_neighbours", "chunk_length", "retrieved_chunks"):
         if getattr(r, key) < 1:
-            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must be at least 1")
+            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must be at least 1", [f"retro.{key}"])
     for key in ("encoder_layers", "encoder_n_embd", "encoder_n_head"):
         if getattr(r, key) < 0:
-            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must not be negative")
+            raise ConfigError(f"retro.{key} = {getattr(r, key)}: must not be negative", [f"retro.{key}"])
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in r.cca_layers):
-        raise ConfigError(f"retro.cca_layers = {r.cca_layers!r}: give 0-based decoder layer indices")
+        raise ConfigError(f"retro.cca_layers = {r.cca_layers!r}: give 0-based decoder layer indices",
+                          ["retro.cca_layers"])  # fmt: skip
 
 
 def _check_parallel(p: ParallelConfig) -> None:
@@ -614,23 +621,29 @@ def _check_parallel(p: ParallelConfig) -> None:
     degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
     for key, value in degrees.items():
         if value < 1 and value != -1:
-            raise ConfigError(f"parallel.{key} = {value}: give a degree of at least 1, or -1 to infer it")
+            raise ConfigError(f"parallel.{key} = {value}: give a degree of at least 1, or -1 to infer it",
+                              [f"parallel.{key}"])  # fmt: skip
     if sum(v == -1 for v in degrees.values()) > 1:
         inferred = [k for k, v in degrees.items() if v == -1]
-        raise ConfigError(f"parallel: {' and '.join(inferred)} are both -1 (inferred); set all but one of them")
+        raise ConfigError(f"parallel: {' and '.join(inferred)} are both -1 (inferred); set all but one of them",
+                          [f"parallel.{k}" for k in inferred])  # fmt: skip
     if p.pp_schedule not in PP_SCHEDULES:
         lower = {name.lower(): name for name in PP_SCHEDULES}
         close = difflib.get_close_matches(p.pp_schedule.lower(), list(lower), n=1)
         hint = f"; did you mean {lower[close[0]]}?" if close else ""
-        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r}: choose one of {PP_SCHEDULES}{hint}")
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r}: choose one of {PP_SCHEDULES}{hint}",
+                          ["parallel.pp_schedule"])  # fmt: skip
     if p.activation_checkpoint not in ("none", "selective", "full"):
         raise ConfigError(
-            f'parallel.activation_checkpoint = {p.activation_checkpoint!r}: "none", "selective" or "full"'
+            f'parallel.activation_checkpoint = {p.activation_checkpoint!r}: "none", "selective" or "full"',
+            ["parallel.activation_checkpoint"],
         )
     if p.pp_microbatches < 0:
-        raise ConfigError(f"parallel.pp_microbatches = {p.pp_microbatches}: must not be negative")
+        raise ConfigError(f"parallel.pp_microbatches = {p.pp_microbatches}: must not be negative",
+                          ["parallel.pp_microbatches"])  # fmt: skip
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in p.pp_layers):
-        raise ConfigError(f"parallel.pp_layers = {p.pp_layers!r}: give a positive count of layers per stage")
+        raise ConfigError(f"parallel.pp_layers = {p.pp_layers!r}: give a positive count of layers per stage",
+                          ["parallel.pp_layers"])  # fmt: skip
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -694,7 +707,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
-        raise ConfigError(f"override {text!r}: write key=value")
+        raise ConfigError(f"command line: {text}: write key=value")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -738,39 +751,43 @@ def nest_flat_keys(values: dict[str, Any], where: str, warn: bool = True) -> dic
     return table
 
 
-def _dotted(key: str, value: Any, text: str) -> dict[str, Any]:
+def _dotted(key: str, value: Any, where: str) -> dict[str, Any]:
     """An override's key=value as a table: `optimizer.lr` → {"optimizer": {"lr": v}}; only storage_options has a
-    level below its section."""
+    level below its section. `where` names the override in errors."""
     first, _, rest = key.partition(".")
     if not rest:
         return {key: value}
     if first not in SECTIONS:
-        raise _unknown_key(key, f"override {text!r}")
+        raise _unknown_key(key, where)
     parts = rest.split(".")
     if first == "storage" and (not all(parts) or len(parts) > 2 or (len(parts) == 2 and parts[0] != "storage_options")):
-        raise ConfigError(f"override {text!r}: write storage.KEY=value or storage.storage_options.KEY=value")
+        raise ConfigError(f"{where}: write storage.KEY=value or storage.storage_options.KEY=value")
     if first != "storage" and len(parts) > 1:
-        raise ConfigError(f"override {text!r}: write {first}.KEY=value")
+        raise ConfigError(f"{where}: write {first}.KEY=value")
     inner: Any = value
     for part in reversed(parts):
         inner = {part: inner}
     return {first: inner}
 
 
-def _merge(table: dict[str, Any], new: dict[str, Any], where: str) -> None:
-    """Put the keys of one source (the file, an override) into the run's table; later sources win, key by key."""
-    for key, value in new.items():
+def _check_source(table: dict[str, Any], where: str, dotted: bool) -> None:
+    """Unknown keys and values of the wrong type in one source (the file, or one command-line override), each error
+    naming that source (`where`); `dotted`: suggest keys as the command line writes them (model.n_layer)."""
+    for key, value in table.items():
         if key in SECTIONS:
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {key} must be the section [{key}], got {value!r}")
-            section = table.setdefault(key, {})
+                raise ConfigError(f"{where}: {key} must be the section [{key}], got {value!r}", [key])
+            hints = typing.get_type_hints(SECTIONS[key])
             for leaf, v in value.items():
-                if isinstance(v, dict) and isinstance(section.get(leaf), dict):
-                    section[leaf] = {**section[leaf], **v}  # storage.storage_options, key by key
-                else:
-                    section[leaf] = v
+                if leaf not in hints:
+                    prefix = f"{key}." if dotted else ""
+                    close = difflib.get_close_matches(leaf, list(hints), n=3, cutoff=0.75)
+                    hint = (f"did you mean {', '.join(prefix + c for c in close)}?" if close
+                            else f"known keys: {', '.join(prefix + n for n in hints)}")  # fmt: skip
+                    raise ConfigError(f"{where}: unknown key {leaf!r} in [{key}]; {hint}", [f"{key}.{leaf}"])
+                _check_value(f"{key}.{leaf}", v, hints[leaf], where, dotted)
         elif key in TOP_KEYS:
-            table[key] = value
+            _check_value(key, value, typing.get_type_hints(TrainConfig)[key], where, dotted)
         elif isinstance(value, dict):
             raise ConfigError(
                 f"{where}: [{key}]: not a section; the sections are {', '.join(f'[{s}]' for s in SECTIONS)}"
@@ -779,10 +796,41 @@ def _merge(table: dict[str, Any], new: dict[str, Any], where: str) -> None:
             raise _unknown_key(key, where)
 
 
+def _check_value(key: str, value: Any, hint: Any, where: str, command_line: bool) -> None:
+    """A value's type against its field's: in a file `key = value: expected ...`; on the command line, where the
+    override is quoted already, what was expected (and, for a string read as another TOML type, the quoting)."""
+    problem = type_problem(hint, value)
+    if problem is None:
+        return
+    if not command_line:
+        raise ConfigError(f"{where}: {key} = {value!r}: {problem}", [key])
+    as_text = not isinstance(value, dict | list) and type_problem(hint, str(value)) is None
+    quote = f'; quote it: {key}="{value}"' if as_text else ""  # `model.name=5` read 5 as a number
+    raise ConfigError(f"{where}: {problem}{quote}", [key])
+
+
+def _merge(table: dict[str, Any], new: dict[str, Any], where: str, sources: dict[str, str]) -> None:
+    """Put the keys of one source (the file, an override) into the run's table, later sources winning key by key,
+    and record in `sources` where each key's value came from."""
+    for key, value in new.items():
+        if key not in SECTIONS:
+            table[key], sources[key] = value, where
+            continue
+        section = table.setdefault(key, {})
+        for leaf, v in value.items():
+            if isinstance(v, dict) and isinstance(section.get(leaf), dict):
+                section[leaf] = {**section[leaf], **v}  # storage.storage_options, key by key
+            else:
+                section[leaf] = v
+            sources[f"{key}.{leaf}"] = where
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """The TrainConfig of a TOML file (or of the defaults when `path` is None) with `key=value` overrides; flat keys
-    of earlier versions are read with a ConfigDeprecationWarning naming the new key."""
+    of earlier versions are read with a ConfigDeprecationWarning naming the new key. An error names the source of
+    the values it is about: the file, or the override as given (`command line: model.n_layer=x: ...`)."""
     table: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # dotted key -> the file or the override that set it
     if path is not None:
         path = Path(path)
         try:
@@ -791,27 +839,32 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path}: no such config file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        _merge(table, nest_flat_keys(data, str(path)), str(path))
+        where = str(path)
+        nested = nest_flat_keys(data, where)
+        _check_source(nested, where, dotted=False)
+        _merge(table, nested, where, sources)
     for text in overrides:
+        where = f"command line: {text}"
         key, value = parse_override(text)
-        where = f"override {text!r}"
-        _merge(table, nest_flat_keys(_dotted(key, value, text), where), where)
-    where = str(path or "config")
-    values = {k: v for k, v in table.items() if k not in SECTIONS}
-    for name in SECTIONS:
-        if name in table:
-            values[name] = _section(name, table[name], where)
+        nested = nest_flat_keys(_dotted(key, value, where), where)
+        _check_source(nested, where, dotted=True)
+        _merge(table, nested, where, sources)
     try:
+        values = {k: v for k, v in table.items() if k not in SECTIONS}
+        for name in SECTIONS:
+            if name in table:
+                values[name] = _section(name, table[name], f"[{name}]")  # an error gets its source below
         return TrainConfig(**values)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        blamed = dict.fromkeys(sources[k] for k in e.keys if k in sources)
+        raise ConfigError(f"{' and '.join(blamed) or str(path or 'config')}: {e}", e.keys) from None
 
 
 def _section(name: str, values: dict[str, Any], where: str) -> Any:
     """The dataclass of section `name` from its table; its keys' types are checked by TrainConfig."""
     if name == "storage":
-        return storage_config(values, f"{where}: [storage]")
-    return from_table(SECTIONS[name], values, f"{where}: [{name}]", ConfigError, check_types=False)
+        return storage_config(values, where)
+    return from_table(SECTIONS[name], values, where, ConfigError, check_types=False)
 
 
 def parallel_config(values: dict[str, Any], where: str = "[parallel]") -> ParallelConfig:
@@ -834,8 +887,12 @@ def storage_config(values: dict[str, Any], where: str = "[storage]") -> StorageC
     """
     options = values.get("storage_options", {})
     if not isinstance(options, dict):
-        raise ConfigError(f"{where}: storage_options = {options!r}: expected a table of fsspec options")
-    return from_table(StorageConfig, values, where, ConfigError)
+        raise ConfigError(f"{where}: storage_options = {options!r}: expected a table of fsspec options",
+                          ["storage.storage_options"])  # fmt: skip
+    try:
+        return from_table(StorageConfig, values, where, ConfigError)
+    except ConfigError as e:  # StorageConfig names the key in its own words: find which of the given ones
+        raise ConfigError(str(e), [f"storage.{k}" for k in values if k in str(e)]) from None
 
 
 def config_keys(values: dict[str, Any]) -> dict[str, Any]:

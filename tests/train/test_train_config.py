@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
+import typing
 import warnings
 from dataclasses import fields
 from pathlib import Path
@@ -77,7 +79,7 @@ def test_old_flat_keys_are_read_with_one_warning_each_naming_the_new_key(tmp_pat
         f"{f}: key 'data_path' is deprecated; write data.path (in a file: [data] path = ...)",
         f"{f}: key 'lr' is deprecated; write optimizer.lr (in a file: [optimizer] lr = ...)",
         f"{f}: key 'model' is deprecated; write model.name (in a file: [model] name = ...)",
-        "override 'max_steps=7': key 'max_steps' is deprecated; write schedule.max_steps (in a file: [schedule] "
+        "command line: max_steps=7: key 'max_steps' is deprecated; write schedule.max_steps (in a file: [schedule] "
         "max_steps = ...)",
     ]
     new = load_config(None, ['data.path="x"', "optimizer.lr=1e-3", 'model.name="gpt2-350m"', "parallel.tp=2",
@@ -110,7 +112,7 @@ def test_unknown_key_in_override_suggests_the_close_one():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optimizer.lr=fast", "optimizer.lr = 'fast': expected"),
+        ("optimizer.lr=fast", "command line: optimizer.lr=fast: expected a number"),
         ("schedule.max_steps=0", "schedule.max_steps = 0: must be at least 1"),
         ("parallel=tp", "choose one of"),
         ("compile=maybe", "compile"),
@@ -205,9 +207,9 @@ def test_a_storage_section_loads_and_reaches_the_dataset(tmp_path):
 @pytest.mark.parametrize(
     "section, override, message",
     [
-        ('read_mod = "pread"', None, r"\[storage\]: unknown key 'read_mod'; did you mean read_mode"),
+        ('read_mod = "pread"', None, r"unknown key 'read_mod' in \[storage\]; did you mean read_mode"),
         ('read_mode = "fast"', None, r"\[storage\]: read_mode 'fast': choose one of"),
-        ('block_size = "big"', None, r"\[storage\]: block_size = 'big': expected <class 'int'>"),
+        ('block_size = "big"', None, r"c\.toml: storage\.block_size = 'big': expected a whole number"),
         ('storage_options = "http://x"', None, "storage_options = 'http://x': expected a table"),
         ("", "storage.local_cache_max_bytes=-1", "local_cache_max_bytes must be positive"),
         ("", "storage.nope.x=1", "write storage.KEY=value or storage.storage_options.KEY=value"),
@@ -230,3 +232,95 @@ def test_retro_encoder_lr_scale_reaches_the_model_and_is_checked():
     assert retro_config(load_config(CONFIGS / "retro-tiny-cpu.toml", ["retro.db=db/"])).encoder_lr_scale == 0.1
     with pytest.raises(ConfigError, match="encoder_lr_scale 1.5 must be in"):
         retro_config(load_config(CONFIGS / "retro-tiny-cpu.toml", ["retro.encoder_lr_scale=1.5", "retro.db=db/"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    mode: typing.Literal["mmap", "pread"] = "mmap"
+
+
+# Every kind of field type the trainer's config has, a value of another type, and how the error names the type.
+TYPED = [
+    ("model.n_layer", '"x"', "a whole number"),
+    ("optimizer.lr", '"fast"', "a number"),
+    ("model.bias", "1", "true or false"),
+    ("model.name", "5", "a string"),
+    ("data.path", "3", "a string or a list"),
+    ("parallel.pp_layers", "2", "a list of whole numbers"),
+    ("compile", "3", "true or false or a string"),
+    ("seed", "1.5", "a whole number"),
+    ("storage.auto_direct_above_bytes", '"x"', "a whole number"),
+    ("storage.local_cache_dir", "3", "a string"),
+    ("storage.storage_options", "3", "a table"),
+]
+
+
+def _toml(key: str, text: str) -> str:
+    section, _, leaf = key.rpartition(".")
+    return f"[{section}]\n{leaf} = {text}\n" if section else f"{key} = {text}\n"
+
+
+@pytest.mark.parametrize("key, text, words", TYPED, ids=[k for k, _, _ in TYPED])
+def test_a_value_of_the_wrong_type_names_its_source_and_the_type_in_words(tmp_path, key, text, words):
+    """In a file: the file, the key and the value; on the command line: the override as typed. Never the other
+    source, never a Python class."""
+    f = tmp_path / "c.toml"
+    f.write_text(_toml(key, text))
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).startswith(f"{f}: {key} = ") and f": expected {words}" in str(e.value), e.value
+    good = tmp_path / "good.toml"
+    good.write_text("[model]\nn_layer = 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(good, [f"{key}={text}"])
+    assert str(e.value).startswith(f"command line: {key}={text}: expected {words}"), e.value
+    assert str(good) not in str(e.value) and "<class" not in str(e.value)
+
+
+def test_a_string_read_as_a_number_says_how_to_quote_it():
+    with pytest.raises(ConfigError, match='command line: model.name=5: expected a string; quote it: model.name="5"'):
+        load_config(None, ["model.name=5"])
+
+
+@pytest.mark.parametrize("key", ["model.n_layers", "n_layers", "schedule.max_step", "storage.read_mod"])
+def test_an_unknown_key_names_its_source_and_the_close_key(tmp_path, key):
+    leaf = key.rpartition(".")[2]
+    f = tmp_path / "c.toml"
+    f.write_text(_toml(key, "2"))
+    good = tmp_path / "good.toml"
+    good.write_text("[model]\nn_layer = 2\n")
+    for source, args in ((str(f), (f, [])), (f"command line: {key}=2", (good, [f"{key}=2"]))):
+        with pytest.raises(ConfigError) as e:
+            load_config(*args)
+        message = str(e.value)
+        assert message.startswith(f"{source}: unknown key {(leaf if '.' in key else key)!r}"), message
+        assert "did you mean" in message and str(good) not in message, message
+    with pytest.raises(ConfigError, match=r"command line: model\.n_layers=2: unknown key 'n_layers' in \[model\]; "
+                                          r"did you mean model\.n_layer\?"):  # fmt: skip
+        load_config(good, ["model.n_layers=2"])
+
+
+def test_a_bad_value_is_blamed_on_the_source_of_the_keys_it_names(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[optimizer]\nlr = 1e-3\n[model]\ndropout = 0.1\n")
+    with pytest.raises(ConfigError, match=r"^command line: model\.dropout=2: model\.dropout = 2\.0: must be in"):
+        load_config(f, ["model.dropout=2"])
+    with pytest.raises(ConfigError, match=r"^command line: schedule\.min_lr=1 and .*c\.toml: schedule\.min_lr 1\.0 is"):
+        load_config(f, ["schedule.min_lr=1"])
+    f.write_text("[model]\ndropout = 2.0\n")
+    with pytest.raises(ConfigError, match=rf"^{f}: model\.dropout = 2\.0: must be in"):
+        load_config(f, ["optimizer.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"^command line: storage\.read_mode=fast: \[storage\]: read_mode 'fast'"):
+        load_config(f, ["model.dropout=0", "storage.read_mode=fast"])
+    with pytest.raises(ConfigError, match=r"^command line: device=gpu: device = 'gpu': choose one of .*did you mean"):
+        load_config(f, ["model.dropout=0", "device=gpu"])
+
+
+def test_type_words_cover_literal_choices():
+    """A Literal field lists its choices; a value of it is accepted as it is."""
+    from corpusforge.configs import from_table, type_words
+
+    assert from_table(Choice, {"mode": "pread"}, "x.toml", ConfigError).mode == "pread"
+    with pytest.raises(ConfigError, match=r"^x\.toml: mode = 'direct': expected one of 'mmap', 'pread'$"):
+        from_table(Choice, {"mode": "direct"}, "x.toml", ConfigError)
+    assert type_words(float | None) == "a number" and type_words(dict[str, int]) == "a table"

@@ -179,7 +179,7 @@ def test_pickled_or_damaged_index_cache_is_refused_naming_it(corpus, finished_ru
         ('data.path="0.5"', "blend ['0.5']"),
         ('storage.read_mode="bogus"', "read_mode 'bogus'"),
         ('dtype="float8"', "dtype = 'float8'"),
-        ('schedule.max_steps="x"', "max_steps = 'x'"),
+        ('schedule.max_steps="x"', 'command line: schedule.max_steps="x": expected a whole number'),
         ("bogus.key=1", "unknown key 'bogus.key'"),
         ('checkpoint.resume="/nowhere"', "/nowhere: not a complete checkpoint"),
         ("schedule.global_batch_tokens=500", "not a multiple of micro_batch_size"),
