@@ -128,7 +128,7 @@ class RetroDataset:
         else:
             self.query_chunks, self.query_tokens = self.db_chunks, self.db_tokens
         path = Path(neighbours_path) if neighbours_path else db / "neighbours.bin"
-        self.neighbours = read_neighbours(path)
+        self.neighbours = read_neighbours(path, n_chunks=len(self.db_chunks))  # ids out of range refused here
         if len(self.neighbours) != len(self.query_chunks):
             raise RetroError(f"{path}: {len(self.neighbours)} rows for {len(self.query_chunks)} chunks")
         stored = self.neighbours.shape[1]

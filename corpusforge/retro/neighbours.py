@@ -334,8 +334,17 @@ def _write_file(path: Path, parts: list[Path], n: int, k: int) -> None:
             f.write(memoryview(np.ascontiguousarray(load_npy(p, mmap=False), dtype="<i8")))
 
 
-def read_neighbours(path: Path) -> np.ndarray:
-    """The (Q, K) int64 memmap of a neighbours file, after checking its header against its size."""
+# Neighbour ids checked at a time when a file is opened: 64 MiB of int64, a fraction of a second from the page cache.
+CHECK_BLOCK = 8 << 20
+_checked: set[tuple] = set()  # (path, size, mtime, chunks) of files whose ids were found in range, in this process
+
+
+def read_neighbours(path: Path, n_chunks: int | None = None) -> np.ndarray:
+    """The (Q, K) int64 memmap of a neighbours file, after checking its header against its size and, given the
+    database's number of chunks `n_chunks`, every id against it (-1, no neighbour, or 0..n_chunks-1): a file damaged
+    in place is refused at open, naming its first bad row, not met as an IndexError in the middle of a training run.
+
+    Example: read_neighbours(Path("db/neighbours.bin"), n_chunks=len(ChunkTable.load("db/chunks"))).shape -> (Q, K)"""
     with open(path, "rb") as f:
         head = f.read(HEADER)
     if len(head) < HEADER or head[:8] != MAGIC:
@@ -348,4 +357,29 @@ def read_neighbours(path: Path) -> np.ndarray:
         raise RetroError(f"{path}: {size} bytes, but its header promises {n} x {k} neighbours; the file is truncated")
     if n * k == 0:
         return np.zeros((n, k), dtype=np.int64)
-    return np.memmap(path, dtype="<i8", mode="r", offset=HEADER, shape=(n, k))
+    table = np.memmap(path, dtype="<i8", mode="r", offset=HEADER, shape=(n, k))
+    if n_chunks is not None:
+        _check_ids(path, table, n_chunks)
+    return table
+
+
+def _check_ids(path: Path, table: np.ndarray, n_chunks: int) -> None:
+    """Every id of `table` is -1 or a chunk of the database, or a RetroError naming the first row that is not;
+    a file found good is not read again in this process while its size and time stay the same."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, n_chunks)
+    if key in _checked:
+        return
+    flat = table.reshape(-1)
+    for lo in range(0, len(flat), CHECK_BLOCK):
+        block = np.asarray(flat[lo : lo + CHECK_BLOCK])
+        if block.min() >= -1 and block.max() < n_chunks:
+            continue
+        at = lo + int(np.argmax((block < -1) | (block >= n_chunks)))
+        row, k = divmod(at, table.shape[1])
+        raise RetroError(
+            f"{path}: row {row} holds neighbour id {int(flat[at])} (column {k}), but the database has {n_chunks} "
+            f"chunks (ids 0 to {n_chunks - 1}, -1 for none): the file is damaged; restore it, or build the database "
+            f"again with corpusforge build-knn into a new --output"
+        )
+    _checked.add(key)

@@ -235,3 +235,48 @@ def test_a_batch_feeds_the_retro_model_as_it_comes(db):
                         batch["loss_mask"])  # fmt: skip
     assert torch.isfinite(loss) and abs(loss.item() - again.item()) < 1e-6
     assert (~batch["neighbour_mask"]).any()
+
+
+@pytest.fixture(scope="module")
+def built_db(tmp_path_factory):
+    """A database built by build-knn (in this process) over the kit's topical documents."""
+    from retrokit import topical_documents
+
+    from corpusforge.retro import BuildConfig, build_knn
+
+    root = tmp_path_factory.mktemp("retro-built")
+    prefix = write_dataset(root / "corpus", topical_documents(20))
+    build_knn(BuildConfig(prefix=prefix, output=str(root / "db"), chunk_length=M, shard_size=512, recall_queries=20))
+    return root / "db"
+
+
+@pytest.mark.parametrize("value", ["n_chunks", "n_chunks + 1000", "-2", "-(2**62)"])
+def test_neighbour_ids_out_of_range_are_refused_at_open_naming_the_first_bad_row(built_db, tmp_path, value):
+    """Size and header intact, one id edited in place: beyond the database's chunks, or negative other than -1 (the
+    'no neighbour' mark). Refused when the dataset opens, in one line with the file, the row and the fix; -1 and the
+    largest real id are accepted."""
+    import shutil
+
+    from corpusforge.retro.chunks import ChunkTable
+
+    db = tmp_path / "db"
+    shutil.copytree(built_db, db)
+    n_chunks = len(ChunkTable.load(db / "chunks"))
+    path = db / "neighbours.bin"
+    with open(path, "r+b") as f:
+        _, _, rows, k = struct.unpack_from("<8sQQQ", f.read(HEADER))
+        ids = np.frombuffer(f.read(), dtype="<i8").reshape(rows, k).copy()
+        ids[3, 1], ids[4, 0] = -1, n_chunks - 1  # both fine
+        ids[rows - 2, k - 1] = eval(value, {"n_chunks": n_chunks})  # the one bad id, near the end
+        f.seek(HEADER)
+        f.write(ids.tobytes())
+    with pytest.raises(RetroError) as e:
+        RetroDataset(db, seq_length=2 * M)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{path}: row {rows - 2} holds neighbour id "), message
+    assert f"the database has {n_chunks} chunks" in message and "build-knn" in message, message
+    ids[rows - 2, k - 1] = 0
+    with open(path, "r+b") as f:
+        f.seek(HEADER)
+        f.write(ids.tobytes())
+    assert len(RetroDataset(db, seq_length=2 * M)) > 0  # repaired: opens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,29 @@ def _other_tokenizer(corpus: str, db: Path, tmp_path: Path) -> dict:
     return {"retro.db": f'"{built}"'}
 
 
+def _damage_neighbours(db: Path, tmp_path: Path, row: int, value: int) -> dict:
+    """A copy of the database whose neighbours file has `value` written over row `row`'s first id, in place: the
+    header and the size stay right."""
+    copy = tmp_path / "db"
+    shutil.copytree(db, copy)
+    with open(copy / "neighbours.bin", "r+b") as f:
+        _, _, n, k = struct.unpack_from("<8sQQQ", f.read(32))
+        f.seek(64 + 8 * k * row)
+        f.write(struct.pack("<q", value))
+    return {"retro.db": f'"{copy}"'}
+
+
+def _neighbour_id_past_the_chunks(corpus: str, db: Path, tmp_path: Path) -> dict:
+    return _damage_neighbours(db, tmp_path, row=7, value=10**6)
+
+
+def _negative_neighbour_id(corpus: str, db: Path, tmp_path: Path) -> dict:
+    return _damage_neighbours(db, tmp_path, row=7, value=-2)
+
+
 BAD = [
+    (_neighbour_id_past_the_chunks, "neighbours.bin: row 7 holds neighbour id 1000000 (column 0), but the database"),
+    (_negative_neighbour_id, "neighbours.bin: row 7 holds neighbour id -2 (column 0), but the database"),
     (_other_data, "neighbours cover the chunks of"),
     (_more_neighbours, "holds 2 neighbours per chunk, 3 were asked for"),
     (_other_chunk_length, "built with chunk length 16, but 32 was asked for"),
