@@ -1,4 +1,4 @@
-"""`corpusforge export-hf`: a trained run as a Hugging Face transformers checkpoint (safetensors + config)."""
+"""`corpusforge export-hf`: a trained run as a Hugging Face transformers model with its tokenizer."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options
 from corpusforge.train.config import ExportConfig
 
+TOKENIZER_HELP = (
+    "Tokenizer to ship: an encoding name (cl100k_base, o200k_base, gpt2) or a .tiktoken, tokenizer.json or "
+    "sentencepiece .model path, as every command takes it; default: the one the run's data was written with."
+)
+
 
 @click.command("export-hf", cls=_report.Command)
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
@@ -18,15 +23,25 @@ from corpusforge.train.config import ExportConfig
     ExportConfig,
     Opt("output", type=click.Path(file_okay=False, path_type=Path)),
     Opt("checkpoint", type=click.Path(file_okay=False, path_type=Path)),
-    Opt("tokenizer", type=click.Path(exists=True, path_type=Path)),
+    Opt("tokenizer", type=str, help=TOKENIZER_HELP),  # a name too, not only a path
     exclude=("run_dir",),
 )
+@click.option("--overwrite", is_flag=True, help="Replace an existing non-empty OUTPUT (swapped in one step).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def export_hf_cmd(run_dir, as_json, **options) -> None:
-    """Write RUN_DIR's model (GPT-2 or Llama family) so that AutoModelForCausalLM.from_pretrained(OUTPUT) loads it."""
+def export_hf_cmd(run_dir, overwrite, as_json, **options) -> None:
+    """Write RUN_DIR's model (GPT-2 or Llama family) and its tokenizer so that AutoModelForCausalLM and
+    AutoTokenizer .from_pretrained(OUTPUT) load them; OUTPUT appears only once complete."""
     from corpusforge.train.export_hf import export_hf
 
-    out = export_hf(**asdict(ExportConfig(run_dir=run_dir, **options)))
-    files = sorted(p.name for p in out.iterdir())
-    data = {"output": str(out), "files": ", ".join(files)}
-    _report.print_summary("corpusforge export-hf", list(data.items()), data if as_json else None)
+    done = export_hf(**asdict(ExportConfig(run_dir=run_dir, **options)), overwrite=overwrite)
+    data = {
+        "output": str(done.output),
+        "checkpoint": str(done.checkpoint),
+        "family": done.family,
+        "tokenizer": done.tokenizer or f"none ({done.note})",
+        "eos_token_id": done.eos_token_id,
+        "files": ", ".join(done.files),
+        "replaced": done.replaced,
+    }
+    rows = {**data, "eos_token_id": "none" if done.eos_token_id is None else str(done.eos_token_id)}  # no "100,257"
+    _report.print_summary("corpusforge export-hf", list(rows.items()), data if as_json else None)

@@ -62,6 +62,7 @@ Inside (one module per format, one per engine; submodules import each other, nev
     gigatoken_engine.py      the gigatoken engine for all three formats, and the probe check "auto" runs
     flat_rows.py             gigatoken's batch results without importing awkward (worker processes)
     training.py              train_tokenizer (`corpusforge train-tokenizer`): BPE tokenizer.json or sentencepiece
+    hf_fast.py               any of them as a transformers fast tokenizer's files (`corpusforge export-hf`)
 
 Example:
     >>> from corpusforge.tokenizers import load_tokenizer
