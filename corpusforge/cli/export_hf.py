@@ -23,7 +23,7 @@ TOKENIZER_HELP = (
     ExportConfig,
     Opt("output", type=click.Path(file_okay=False, path_type=Path)),
     Opt("checkpoint", type=click.Path(file_okay=False, path_type=Path)),
-    Opt("tokenizer", type=str, help=TOKENIZER_HELP),  # a name too, not only a path
+    Opt("tokenizer", type=str, help=TOKENIZER_HELP, extra={"metavar": "NAME|PATH"}),  # a name, not only a path
     exclude=("run_dir",),
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty OUTPUT (swapped in one step).")

@@ -196,6 +196,35 @@ def test_a_tokenizer_file_ships_with_its_own_eod(small_run, small_tokenizers, tm
     assert AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == tok.eos_token_id == tokenizer.eod_id
 
 
+def test_gpt2_ships_with_its_eod_50256():
+    from corpusforge.tokenizers import TokenizerError
+    from corpusforge.tokenizers.hf_fast import hf_fast_tokenizer
+
+    try:
+        files = hf_fast_tokenizer("gpt2")  # r50k_base's ranks: in tiktoken's cache or nowhere, offline
+    except TokenizerError as e:
+        pytest.skip(f"gpt2's ranks are not available offline here: {e}")
+    assert files.eos_id == files.bos_id == 50256
+
+
+def test_overwrite_without_an_exchange_is_two_renames(small_run, tmp_path, monkeypatch):
+    import errno
+
+    from corpusforge.train import export_hf
+
+    assert export(small_run, "--output", tmp_path / "hf").exit_code == 0
+    (tmp_path / "hf" / "config.json").write_text("{}")  # marks the old export
+
+    def no_exchange(a, b):
+        raise OSError(errno.EINVAL, "Invalid argument")  # a file system without RENAME_EXCHANGE
+
+    monkeypatch.setattr(export_hf, "_exchange", no_exchange)
+    result = export(small_run, "--output", tmp_path / "hf", "--overwrite", "--json")
+    assert result.exit_code == 0 and json.loads(result.output)["replaced"] is True
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_without_a_recorded_tokenizer_no_ids_are_made_up(small_run, tmp_path):
     result = export(small_run, "--output", tmp_path / "hf", "--json")
     assert result.exit_code == 0, result.output
