@@ -14,6 +14,7 @@ import base64
 import glob
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,20 @@ def files(tmp_path_factory, corpus) -> dict[str, Path]:
     fast.save_pretrained(d / "hf")
     out["hf"] = d / "hf"
 
+    # BERT's vocab.txt: a cased WordPiece vocabulary trained here, [PAD] [UNK] [CLS] [SEP] [MASK] first.
+    wp = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    wp.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=False)
+    wp.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    wp.train_from_iterator(
+        texts,
+        tokenizers.trainers.WordPieceTrainer(
+            vocab_size=500, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False
+        ),
+    )
+    (d / "bert").mkdir()
+    wp.model.save(str(d / "bert"))
+    out["bert"] = d / "bert" / "vocab.txt"
+
     # sentencepiece (BPE with byte fallback: gigatoken reads it too)
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_prefix=str(d / "sp"), vocab_size=400, model_type="bpe",
@@ -138,6 +153,8 @@ def _tokenizer_flags(kind: str, files: dict[str, Path]) -> list[str]:
         "Llama2Tokenizer": ["--tokenizer-model", str(files["sp"])],
         "TikTokenizer": ["--tokenizer-model", str(files["tiktoken"]), "--vocab-size", "1265"],
         "NullTokenizer": ["--vocab-size", "70000"],
+        "BertWordPieceLowerCase": ["--vocab-file", str(files["bert"])],
+        "BertWordPieceCase": ["--vocab-file", str(files["bert"])],
     }[kind]
 
 
@@ -164,6 +181,8 @@ def _megatron_tokenizer(kind: str, files: dict[str, Path], tmp: Path):
             tokenizer_path=str(repo), metadata_path={"library": "huggingface"}, additional_special_tokens=[],
             use_fast=True, trust_remote_code=False, include_special_tokens=True,
         )  # fmt: skip
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return megatron_bert(kind, files["bert"], tmp)
     if kind == "HuggingFaceTokenizer":
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=str(files["hf"]), metadata_path={"library": "huggingface"}, additional_special_tokens=[],
@@ -180,6 +199,26 @@ def _megatron_tokenizer(kind: str, files: dict[str, Path], tmp: Path):
             num_special_tokens=1000, special_tokens=None,
         )  # fmt: skip
     raise AssertionError(kind)
+
+
+def megatron_bert(kind: str, vocab: Path, tmp: Path):
+    """megatron.core's BERT tokenizer as build_tokenizer (HEAD) makes it: MegatronHFTokenizer names the Hub
+    repository bert-large-uncased / bert-large-cased (its tokenizer_config.json sets do_lower_case) and passes
+    --vocab-file; BertWordPieceCase's kwargs are T5's 100 sentinels as additional special tokens. A local directory
+    laid out as that repository stands in for the download; megatron.core's HuggingFaceTokenizer does the rest."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    lower = kind == "BertWordPieceLowerCase"
+    repo = tmp / f"bert-large-{'un' if lower else ''}cased"
+    repo.mkdir(exist_ok=True)
+    (repo / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (repo / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": lower, "model_max_length": 512}))
+    (repo / "vocab.txt").write_bytes(vocab.read_bytes())
+    extra = [] if lower else [f"<extra_id_{i}>" for i in range(100)]
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=str(repo), metadata_path={"library": "huggingface"}, vocab_file=str(vocab),
+        additional_special_tokens=extra, use_fast=True, trust_remote_code=False, include_special_tokens=True,
+    )  # fmt: skip
 
 
 class _NullReference:
@@ -284,6 +323,8 @@ def _same_files(a: str, b: str) -> None:
 # byte identity, per type, with and without --split-sentences and --append-eod, several --json-keys
 
 TYPES = [
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
@@ -417,9 +458,11 @@ def test_partitions_same_bytes_as_megatron(case, corpus_files, files, punkt_dir,
     assert stats.outputs == [f"{tmp_path}/cf_{k}_{level}" for k in keys]
     for key in keys:
         _same_files(f"{tmp_path}/cf_{key}_{level}", f"{tmp_path}/mg_{key}_{level}")
-    assert sorted(p.name for p in tmp_path.glob("cf*")) == sorted(  # the staged input-order run is gone
-        [f"cf_{k}_{level}.{e}" for k in keys for e in ("bin", "idx")] + ["cf.preprocess.json"]
+    # Megatron's files only; the run record and nothing else (the staged runs are gone) in the hidden directory
+    assert sorted(p.name for p in tmp_path.glob("cf*")) == sorted(
+        [f"cf_{k}_{level}.{e}" for k in keys for e in ("bin", "idx")]
     )
+    assert sorted(p.name for p in (tmp_path / ".corpusforge").iterdir()) == ["cf.preprocess.json"]
 
 
 def test_partitions_skip_deals_the_kept_records(files, tmp_path):
@@ -453,7 +496,10 @@ _EMPTY = ["", " ", "\n\n", "  \t "]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["document", "sentence"])
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer"])
+@pytest.mark.parametrize(
+    "kind",
+    ["BertWordPieceLowerCase", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer"],
+)
 def test_empty_documents_as_megatron(kind, split, files, punkt_dir, tmp_path):
     docs = _documents(12)
     for i, d in enumerate(docs):
@@ -479,7 +525,7 @@ def test_empty_documents_as_megatron(kind, split, files, punkt_dir, tmp_path):
 def test_empty_document_with_null_tokenizer_fails_as_in_megatron(tmp_path):
     """NullTokenizer reads int(x) of every space-separated word: Megatron stops at an empty text, and so does this."""
     (tmp_path / "ids.jsonl").write_text(json.dumps({"text": "1 2"}) + "\n" + json.dumps({"text": ""}) + "\n")
-    with pytest.raises(megatron.MegatronTokenizerError, match="space-separated integers"):
+    with pytest.raises(megatron.MegatronTokenizerError, match=r"ids\.jsonl:2: 'text' .*an empty text"):
         megatron.run(["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "cf"),
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])  # fmt: skip
 
@@ -519,11 +565,9 @@ def test_megatron_flags_and_defaults_parse_as_megatron():
 @pytest.mark.parametrize(
     "extra, words",
     [
-        (["--tokenizer-type", "BertWordPieceCase"], "BertWordPieceCase is not supported"),
         (["--tokenizer-type", "SFTTokenizer"], "SFTTokenizer is not supported"),
-        (["--tokenizer-type", "NullTokenizer", "--find-optimal-num-workers"], "--find-optimal-num-workers"),
-        (["--tokenizer-type", "NullTokenizer", "--tokenizer-metadata", "m.json"], "--tokenizer-metadata"),
-        (["--tokenizer-type", "NullTokenizer", "--tokenizer-sentencepiece-legacy"], "legacy"),
+        (["--tokenizer-type", "MultimodalTokenizer"], "MultimodalTokenizer is not supported"),
+        (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-sentencepiece-legacy", "--append-eod"], "no EOD"),
         ([], "no --tokenizer-type"),
     ],
 )
@@ -604,3 +648,167 @@ def test_python_m_help_lists_megatron_flags():
         [sys.executable, "-m", "corpusforge.megatron_preprocess", "-h"], capture_output=True, text=True, cwd=ROOT
     )
     assert r.returncode == 0 and "--split-sentences" in r.stdout and "--tiktoken-pattern" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every flag of HEAD's parser is taken: the tokenizer group (megatron.training.arguments' TokenizerConfig, dumped
+# from Megatron-LM d98e8a6 with argparse: option, dest, default) and preprocess_data.py's own groups
+
+HEAD_FLAGS = [
+    ("--vocab-size", "vocab_size", None),
+    ("--padded-vocab-size", "padded_vocab_size", None),
+    ("--no-pad-vocab-size", "pad_vocab_size", True),
+    ("--disable-pad-vocab-size", "pad_vocab_size", True),
+    ("--vocab-file", "vocab_file", None),
+    ("--merge-file", "merge_file", None),
+    ("--vocab-extra-ids", "vocab_extra_ids", 0),
+    ("--tokenizer-type", "tokenizer_type", None),
+    ("--tokenizer-model", "tokenizer_model", None),
+    ("--tokenizer-metadata", "metadata_path", None),
+    ("--tokenizer-special-tokens", "special_tokens", None),
+    ("--tiktoken-pattern", "tiktoken_pattern", None),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000),
+    ("--tokenizer-sentencepiece-legacy", "tokenizer_sentencepiece_legacy", False),
+    ("--no-tokenizer-sentencepiece-ignore-extra-whitespaces", "tokenizer_sentencepiece_ignore_extra_whitespaces", True),
+    ("--disable-tokenizer-sentencepiece-ignore-extra-whitespaces", "tokenizer_sentencepiece_ignore_extra_whitespaces",
+     True),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_no_use_fast", False),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_no_include_special_tokens", False),
+    ("--trust-remote-code", "trust_remote_code", False),
+    ("--null-tokenizer-eod-id", "null_tokenizer_eod_id", None),
+    ("--null-tokenizer-pad-id", "null_tokenizer_pad_id", -1),
+    ("--chat-template", "chat_template", None),
+    ("--use-gigatoken", "use_gigatoken", False),
+    ("--input", "input", None),
+    ("--json-keys", "json_keys", ["text"]),
+    ("--split-sentences", "split_sentences", False),
+    ("--keep-newlines", "keep_newlines", False),
+    ("--append-eod", "append_eod", False),
+    ("--lang", "lang", "english"),
+    ("--output-prefix", "output_prefix", None),
+    ("--workers", "workers", None),  # required there; optional here (default: every core)
+    ("--find-optimal-num-workers", "find_optimal_num_workers", False),
+    ("--workers-to-check", "workers_to_check", [16, 32, 64]),
+    ("--max-documents", "max_documents", 100_000),
+    ("--partitions", "partitions", 1),
+    ("--log-interval", "log_interval", 1000),
+    ("--keep-sequential-samples", "keep_sequential_samples", False),
+]  # fmt: skip
+
+# A value for each flag that takes one, valid with the Llama2Tokenizer line below.
+_FLAG_VALUES = {
+    "--vocab-size": ["320"], "--padded-vocab-size": ["384"], "--vocab-file": None, "--merge-file": None,
+    "--vocab-extra-ids": ["0"], "--tokenizer-type": None, "--tokenizer-model": None, "--tokenizer-metadata": None,
+    "--tokenizer-special-tokens": ["<mask>"], "--tiktoken-pattern": ["v2"], "--tiktoken-num-special-tokens": ["1000"],
+    "--null-tokenizer-eod-id": ["3"], "--null-tokenizer-pad-id": ["0"], "--chat-template": ["{{x}}"],
+    "--input": None, "--json-keys": ["text"], "--lang": ["english"], "--output-prefix": None, "--workers": ["1"],
+    "--workers-to-check": ["1"], "--max-documents": ["5"], "--partitions": ["2"], "--log-interval": ["1"],
+}  # fmt: skip
+
+
+def test_parser_has_every_head_flag_with_megatrons_dest_and_default():
+    from corpusforge.megatron.args import build_parser
+
+    ours = {o: a for a in build_parser()._actions for o in a.option_strings}
+    for flag, dest, default in HEAD_FLAGS:
+        assert flag in ours, flag
+        assert ours[flag].dest == dest, flag
+        if flag != "--workers":
+            assert ours[flag].default == default, flag
+
+
+@pytest.mark.parametrize("flag", [f for f, _, _ in HEAD_FLAGS if _FLAG_VALUES.get(f, []) is not None])
+def test_no_head_flag_is_refused(flag, files, tmp_path):
+    """Each flag of HEAD's preprocess_data.py, added alone to a working sentencepiece line, parses, plans and builds
+    its tokenizer: none is refused (the ones taking files: see the metadata, BERT and tokenizer-file tests)."""
+    argv = ["--input", "in.jsonl", "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "Llama2Tokenizer",
+            "--tokenizer-model", str(files["sp"])]  # fmt: skip
+    if flag == "--tokenizer-special-tokens":
+        argv += ["--tokenizer-sentencepiece-legacy"]  # Megatron refuses special tokens with a model outside it
+    the_plan = megatron.plan(megatron.parse_args([*argv, flag, *_FLAG_VALUES.get(flag, [])]))
+    assert the_plan.config.tokenizer_factory(False).vocab_size >= 400  # and the tokenizer builds
+
+
+@pytest.mark.parametrize(
+    "legacy, keep_spaces", [(True, False), (False, True), (True, True)], ids=["legacy", "keep-spaces", "legacy-keep"]
+)
+def test_sentencepiece_legacy_and_extra_whitespace_as_megatron(legacy, keep_spaces, files, corpus, tmp_path):
+    """--tokenizer-sentencepiece-legacy with special tokens (split out of the text: a piece keeps its id, a new
+    token gets the next id past the pieces) and --no-tokenizer-sentencepiece-ignore-extra-whitespaces (repeated
+    spaces the model drops kept through megatron.core's placeholder), alone and together, against megatron.core."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    specials = ["<s>", "Mr.", "<|endoftext|>", "Dr.", "▁the"] if legacy else None
+    docs = [json.loads(x) for x in corpus.read_text().splitlines()][:30]
+    lines = [json.dumps({"text": f" {d['text']}  <s>Mr.  Who<|endoftext|> Dr.<s>   x "}) for d in docs]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "cf"), "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", str(files["sp"])]  # fmt: skip
+    argv += ["--tokenizer-sentencepiece-legacy", "--tokenizer-special-tokens", *specials] if legacy else []
+    argv += ["--no-tokenizer-sentencepiece-ignore-extra-whitespaces"] * keep_spaces
+    argv += ["--append-eod"] * (not legacy)  # Megatron's legacy tokenizer has no EOD
+    megatron.run(argv)
+    reference = MegatronTokenizer.from_pretrained(
+        tokenizer_path=str(files["sp"]), metadata_path={"library": "sentencepiece"}, legacy=legacy,
+        special_tokens=specials, ignore_extra_whitespaces=not keep_spaces,
+    )  # fmt: skip
+    assert reference._tokenizer.removed_extra_spaces  # the model drops them: the placeholder path is exercised
+    _megatron_reference(lines, tmp_path / "mg", reference, ["text"], not legacy, None)
+    _same_files(f"{tmp_path}/cf_text_document", f"{tmp_path}/mg_text_document")
+    assert reference.vocab_size > 400 or not legacy  # new ids past the pieces were given
+
+
+def test_tokenizer_metadata_is_read_and_checked(files, tmp_path):
+    """The library's own metadata is honoured; another library, a foreign class or a damaged file: one line."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    base = ["--input", "x", "--output-prefix", "y", "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+            str(files["sp"]), "--tokenizer-metadata"]  # fmt: skip
+    meta_dir = tmp_path / "sp"
+    meta_dir.mkdir()
+    (meta_dir / "sp.model").write_bytes(files["sp"].read_bytes())
+    MegatronTokenizer.write_metadata(tokenizer_path=str(meta_dir / "sp.model"), tokenizer_library="sentencepiece")
+    good = meta_dir / "tokenizer_metadata.json"
+    assert megatron.plan(megatron.parse_args([*base, str(good)])).config.tokenizer_factory.tokenizer_type
+    cases = {
+        "hf.json": ({"library": "huggingface"}, "library 'huggingface', but --tokenizer-type Llama2Tokenizer reads"),
+        "evil.json": ({"library": "sentencepiece", "class_name": "X", "class_path": "os"}, "would import and run"),
+        "none.json": ({"lib": "x"}, 'no "library"'),
+    }
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_text(json.dumps(content))
+        with pytest.raises(megatron.MegatronTokenizerError, match=re.escape(words)) as e:
+            megatron.plan(megatron.parse_args([*base, str(tmp_path / name)]))
+        assert str(tmp_path / name) in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "junk.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(megatron.MegatronTokenizerError, match="not UTF-8"):
+        megatron.plan(megatron.parse_args([*base, str(tmp_path / "junk.json")]))
+
+
+def test_null_multimodal_tokenizer_as_megatron(tmp_path):
+    """NullMultimodalTokenizer: ids as NullTokenizer's, its EOD --vocab-size, its vocabulary one more."""
+    lines = [json.dumps({"text": " ".join(str(i * 3 + j) for j in range(1 + i % 4))}) for i in range(20)]
+    (tmp_path / "ids.jsonl").write_text("\n".join(lines) + "\n")
+    stats, _ = megatron.run(
+        [
+            "--input",
+            str(tmp_path / "ids.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "cf"),
+            "--tokenizer-type",
+            "NullMultimodalTokenizer",
+            "--vocab-size",
+            "65499",
+            "--append-eod",
+        ]
+    )
+    assert stats.dtype == "int32"  # 65500 ids: not below Megatron's uint16 bound
+
+    class Reference:
+        vocab_size, eod = 65500, 65499
+
+        def tokenize(self, text):
+            return [int(x) for x in text.split(" ")]
+
+    _megatron_reference(lines, tmp_path / "mg", Reference(), ["text"], True, None)
+    _same_files(f"{tmp_path}/cf_text_document", f"{tmp_path}/mg_text_document")

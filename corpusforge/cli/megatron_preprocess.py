@@ -7,6 +7,7 @@ flag that cannot be honoured (one line saying which and why), 3 done with skippe
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -14,6 +15,7 @@ import click
 from corpusforge.cli import _report
 from corpusforge.megatron import args as margs
 from corpusforge.megatron import preprocess_plan
+from corpusforge.megatron.outputs import record_path
 from corpusforge.preprocess import PreprocessStats
 
 
@@ -35,6 +37,9 @@ def run(argv: list[str]) -> None:
     plan = margs.plan(args)
     for note in plan.notes:
         click.echo(f"corpusforge: note: {note}", err=True)
+    if plan.search is not None:
+        _search(plan, args.as_json)
+        return
     with _report.task_progress(_report.show_progress(args.progress)) as advance:
         stats = preprocess_plan(plan, on_progress=advance)
     summary = stats.to_dict() | {"megatron": _megatron_facts(plan)}
@@ -46,10 +51,25 @@ def run(argv: list[str]) -> None:
         sys.exit(_report.EXIT_SKIPPED)
 
 
+def _search(plan: margs.Plan, as_json: bool) -> None:
+    """--find-optimal-num-workers: Megatron's lines on stdout (or the trials as JSON with --json)."""
+    from corpusforge.megatron.optimal import find_optimal_workers
+
+    workers, max_documents = plan.search
+    say = None if as_json else click.echo
+    search = find_optimal_workers(plan.config, plan.deal, list(workers), max_documents, announce=say)
+    if as_json:
+        click.echo(json.dumps(search.to_dict(), indent=1))
+    else:
+        for line in search.report():
+            click.echo(line)
+
+
 def _megatron_facts(plan: margs.Plan) -> dict:
     spec = plan.config.tokenizer_factory
     facts = {"tokenizer_type": spec.tokenizer_type, "level": plan.config.level, "notes": list(plan.notes)}
     facts["partitions_dealt"] = plan.deal
+    facts["run_record"] = str(record_path(plan.config.output_prefix))
     if spec.split_language is not None:
         from corpusforge.megatron.sentences import load_splitter
 

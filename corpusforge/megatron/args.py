@@ -14,8 +14,16 @@ How the flags that tune Megatron's process model map:
                            (lines 0, N, 2N, ...) first (corpusforge.megatron.partitions)
     --keep-sequential-samples  Megatron's partitions become contiguous runs of lines: input order, glob's file order
     --log-interval N       Megatron prints every N documents; corpusforge's progress is --progress
-    --find-optimal-num-workers, --workers-to-check, --max-documents: a search over worker counts that writes no
-                           dataset: refused (exit 2)
+    --find-optimal-num-workers, --workers-to-check N..., --max-documents N
+                           Megatron's search over worker counts, timed on the first N documents, with Megatron's
+                           report (corpusforge.megatron.optimal); no dataset is written
+
+Every flag of HEAD's parser is taken (tests/test_megatron_preprocess.py compares the two parsers). What no flag
+changes in the data (--padded-vocab-size, --vocab-extra-ids, --chat-template, ...) is accepted and has no effect,
+as in Megatron's preprocessing. --tokenizer-metadata is read and checked: its library must be the one
+--tokenizer-type reads, and a class it names must be megatron.core's own (Megatron would import any module it
+names). The tokenizer types that Megatron's preprocess_data.py itself cannot build (MultimodalTokenizer,
+SFTTokenizer: its parser lacks their flags) are refused in one line.
 
 Example:
     >>> args = parse_args(["--input", "c.jsonl", "--output-prefix", "out/c", "--tokenizer-type",
@@ -30,8 +38,15 @@ import argparse
 from dataclasses import dataclass
 
 from corpusforge.errors import CorpusforgeError
+from corpusforge.megatron import files
 from corpusforge.megatron.partitions import megatron_inputs
-from corpusforge.megatron.tokenizers import SUPPORTED_TYPES, UNSUPPORTED_TYPES, MegatronTokenizerSpec
+from corpusforge.megatron.tokenizers import (
+    LIBRARY,
+    SUPPORTED_TYPES,
+    UNSUPPORTED_TYPES,
+    MegatronTokenizerError,
+    MegatronTokenizerSpec,
+)
 from corpusforge.preprocess import PreprocessConfig
 
 PROG = "corpusforge megatron-preprocess"
@@ -81,9 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group(title="runtime")
     # Required in preprocess_data.py, absent from preprocess_data_fast.py: optional here, so both lines run.
     g.add_argument("--workers", type=int, default=0, help="Worker processes [default: one per core].")
-    g.add_argument("--find-optimal-num-workers", action="store_true", help="Not supported (writes no dataset).")
-    g.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64], help="Not supported.")
-    g.add_argument("--max-documents", type=int, default=100_000, help="Not supported.")
+    g.add_argument(
+        "--find-optimal-num-workers",
+        action="store_true",
+        help="Time each of --workers-to-check on the first --max-documents documents and print the fastest "
+        "(Megatron's report); writes no dataset.",
+    )
+    g.add_argument(
+        "--workers-to-check", nargs="+", type=int, default=[16, 32, 64], help="Worker counts to time [16 32 64]."
+    )
+    g.add_argument("--max-documents", type=int, default=100_000, help="Documents to time each count on [100000].")
     g.add_argument("--partitions", type=int, default=1, help="Number of file partitions (see the document order).")
     g.add_argument("--log-interval", type=int, default=1000, help="Accepted; progress is --progress here.")
     g.add_argument(
@@ -111,11 +133,17 @@ def _tokenizer_group(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES, help="What type of tokenizer.")
     g.add_argument("--tokenizer-model", type=str, default=None, help="Path to the tokenizer model.")
-    g.add_argument("--tokenizer-metadata", dest="metadata_path", type=str, default=None, help="Not supported.")
+    g.add_argument(
+        "--tokenizer-metadata", dest="metadata_path", type=str, default=None,
+        help="megatron.core tokenizer metadata JSON; its library must be the one --tokenizer-type reads.",
+    )  # fmt: skip
     g.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", type=str, default=None)
     g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"])
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    g.add_argument("--tokenizer-sentencepiece-legacy", action="store_true", help="Not supported.")
+    g.add_argument(
+        "--tokenizer-sentencepiece-legacy", action="store_true",
+        help="Sentencepiece legacy mode: --tokenizer-special-tokens are split out of the text.",
+    )  # fmt: skip
     g.add_argument(
         "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
         "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
@@ -162,21 +190,42 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
     if args.tokenizer_type in UNSUPPORTED_TYPES:
         refuse(f"--tokenizer-type {args.tokenizer_type}", UNSUPPORTED_TYPES[args.tokenizer_type])
     assert args.tokenizer_type in SUPPORTED_TYPES
-    if args.find_optimal_num_workers:
+    if args.tokenizer_sentencepiece_legacy and args.append_eod and args.tokenizer_type in LIBRARY_SP:
         refuse(
-            "--find-optimal-num-workers",
-            "it times Megatron's worker counts and writes no dataset; corpusforge uses every core by default",
+            "--tokenizer-sentencepiece-legacy with --append-eod",
+            "Megatron's legacy sentencepiece tokenizer has no EOD (its eos_id reads an eos_token that a list of "
+            "special tokens never sets: AttributeError); drop one of the two",
         )
-    if args.metadata_path:
-        refuse("--tokenizer-metadata", "the tokenizer is built from --tokenizer-type and its files only")
-    if args.tokenizer_sentencepiece_legacy:
-        refuse("--tokenizer-sentencepiece-legacy", "Megatron's legacy special-token splitting is not implemented")
     if args.keep_newlines and not args.split_sentences:
         pass  # Megatron ignores it without --split-sentences, and so does this
     if args.workers < 0 or args.partitions < 1:
         refuse("--workers below 0 or --partitions below 1", "give a positive count")
     if args.executor != "ray" and args.ray_address:
         refuse("--ray-address without --executor ray", "add --executor ray")
+
+
+LIBRARY_SP = tuple(t for t, library in LIBRARY.items() if library == "sentencepiece")
+
+
+def check_metadata(path: str, tokenizer_type: str) -> None:
+    """--tokenizer-metadata: megatron.core builds the tokenizer of the file's library (and class, if it names one)
+    from --tokenizer-type's arguments. Honoured where that is the type's own library and a class of megatron.core's
+    (whose ids are the library's); anything else raises one line."""
+    meta = files.metadata(path)
+    library, expected = meta["library"], LIBRARY[tokenizer_type]
+    if library != expected:
+        raise MegatronTokenizerError(
+            f"--tokenizer-metadata {path}: library {library!r}, but --tokenizer-type {tokenizer_type} reads "
+            f"{expected!r} (Megatron would build a {library!r} tokenizer from {tokenizer_type}'s flags); make them "
+            "agree, or drop --tokenizer-metadata"
+        )
+    module = meta.get("class_path")
+    if module is not None and not str(module).startswith("megatron.core.tokenizers."):
+        raise MegatronTokenizerError(
+            f"--tokenizer-metadata {path}: names class {meta.get('class_name')} of module {module}, which Megatron "
+            "would import and run; corpusforge builds megatron.core's own tokenizers only: remove class_name and "
+            "class_path"
+        )
 
 
 @dataclass(frozen=True)
@@ -188,6 +237,8 @@ class Plan:
     deal: int = 1
     """--partitions N without --keep-sequential-samples: the documents go in Megatron's round-robin order over N
     partitions (corpusforge.megatron.partitions); 1: input order."""
+    search: tuple[tuple[int, ...], int] | None = None
+    """--find-optimal-num-workers: (--workers-to-check, --max-documents); None: preprocess."""
 
 
 def to_config(args: argparse.Namespace) -> PreprocessConfig:
@@ -196,6 +247,8 @@ def to_config(args: argparse.Namespace) -> PreprocessConfig:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Map parsed Megatron flags onto corpusforge's PreprocessConfig."""
+    if args.metadata_path:
+        check_metadata(args.metadata_path, args.tokenizer_type)
     spec = MegatronTokenizerSpec(
         tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file,
@@ -210,6 +263,7 @@ def plan(args: argparse.Namespace) -> Plan:
         trust_remote_code=args.trust_remote_code,
         null_eod_id=args.null_tokenizer_eod_id,
         sp_ignore_extra_whitespaces=args.tokenizer_sentencepiece_ignore_extra_whitespaces,
+        sp_legacy=args.tokenizer_sentencepiece_legacy,
         engine=args.engine,
         split_language=args.lang if args.split_sentences else None,
         keep_newlines=args.keep_newlines,
@@ -233,4 +287,5 @@ def plan(args: argparse.Namespace) -> Plan:
         keep_empty=True,  # Megatron tokenizes an empty text: a document of no sequence, or its tokenizer's BOS
     )
     deal = args.partitions if args.partitions > 1 and not args.keep_sequential_samples else 1
-    return Plan(config, deal=deal)
+    search = (tuple(args.workers_to_check), args.max_documents) if args.find_optimal_num_workers else None
+    return Plan(config, deal=deal, search=search)
