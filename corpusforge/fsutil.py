@@ -4,7 +4,9 @@ Every writer in corpusforge that publishes a file goes through `atomic_write` (o
 all behave the same on a crash: the data goes to `{name}.{pid}.{random}.tmp` beside the final name, is flushed and
 fsynced, renamed over the final name, and the directory is fsynced so that the rename itself survives a power
 cut. An exception (a full disk, a bad value, Ctrl-C) removes the temporary file; a SIGKILL leaves it, and
-`remove_leftovers` is how a stage that starts again clears them.
+`remove_leftovers` is how a stage that starts again clears them. A write that fails (a full disk, a read-only or
+forbidden place) names the path the caller gave, never the temporary file (`naming`), so that every command's error
+says the user's own path.
 
     >>> with atomic_write(Path("out/x.json"), "w") as f:
     ...     f.write("{}")
@@ -13,6 +15,7 @@ cut. An exception (a full disk, a bad value, Ctrl-C) removes the temporary file;
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -51,6 +54,53 @@ def fsync_dir(path: str | os.PathLike) -> None:
     fsync_path(path)
 
 
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+"""The errors of a write that are the place's fault, not the data's: full, too big, read-only, forbidden."""
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike, *temporaries: str | os.PathLike) -> Iterator[None]:
+    """Make a failed write inside the block name `path`, the file the caller asked for.
+
+    A full disk fails a write(2) or copy_file_range(2) with no file name at all, and a read-only or forbidden
+    directory fails the creation of a temporary file under that temporary's name: an error from inside the block
+    with an errno of WRITE_ERRNOS whose file name is missing, one of `temporaries` (the files written for `path`),
+    or a file that does not exist (one being created), is raised again as the same OSError naming `path`. An error
+    naming another existing file (an input that cannot be read) keeps its name.
+
+    Example:
+        >>> with naming("out/m.bin"):
+        ...     os.open("out/m.bin.tmp", os.O_CREAT | os.O_WRONLY)  # on a read-only mount
+        OSError: [Errno 30] Read-only file system: 'out/m.bin'
+    """
+    try:
+        yield
+    except OSError as e:
+        named = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else None
+        ours = named is None or named in {os.fspath(t) for t in temporaries} or not os.path.lexists(named)
+        if e.errno not in WRITE_ERRNOS or not ours or named == os.fspath(path):
+            raise
+        raise type(e)(e.errno, e.strerror or os.strerror(e.errno), os.fspath(path)) from e
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Create the directory of the file `path` (as mkdir -p) and refuse, naming `path`, a place where it cannot be
+    written (read-only file system, no permission), before a command spends its time on work it cannot keep.
+
+    Example:
+        >>> check_writable("ro/tokenizer.json")
+        OSError: [Errno 30] Read-only file system: 'ro/tokenizer.json'
+    """
+    parent = Path(path).parent
+    with naming(path):
+        parent.mkdir(parents=True, exist_ok=True)
+    if os.access(parent, os.W_OK | os.X_OK):
+        return
+    read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    code = errno.EROFS if read_only else errno.EACCES
+    raise OSError(code, os.strerror(code), os.fspath(path))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path for a writer that wants a file name (faiss.write_index, a subprocess); on a clean
@@ -62,16 +112,17 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Pa
     """
     path = Path(path)
     tmp = temp_path(path)
-    try:
-        yield tmp
+    with naming(path, tmp):
+        try:
+            yield tmp
+            if durable:
+                fsync_path(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         if durable:
-            fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
@@ -131,8 +182,18 @@ def save_npy_atomic(path: str | os.PathLike, array: np.ndarray, *, durable: bool
     Example:
         >>> save_npy_atomic(Path("db/chunks.npy"), np.zeros(4, np.int64))  # doctest: +SKIP
     """
+    array = np.ascontiguousarray(array)
+    if array.dtype.hasobject:
+        raise ValueError(f"{path}: object arrays cannot be saved when allow_pickle=False")
+    header = np.lib.format.header_data_from_array_1_0(array)
     with atomic_write(path, "wb", durable=durable) as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        try:
+            np.lib.format.write_array_header_1_0(f, header)
+        except ValueError:  # a header too long for format 1.0 (np.save would write 2.0 as well)
+            np.lib.format.write_array_header_2_0(f, header)
+        # The data through the file's own write, not np.save's ndarray.tofile: a disk that fills makes tofile raise
+        # an OSError without an errno ("N requested and M written"), which no handler can tell from a bug.
+        f.write(memoryview(array.reshape(-1).view(np.uint8)))
 
 
 def remove_leftovers(directory: str | os.PathLike, pattern: str = f"*{TMP_SUFFIX}") -> list[Path]:

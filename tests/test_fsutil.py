@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -97,3 +98,71 @@ def test_refuses_append_and_read_modes(tmp_path):
 def test_is_url():
     assert fsutil.is_url("s3://b/k") and fsutil.is_url("memory://x")
     assert not fsutil.is_url("/data/x") and not fsutil.is_url("file:///data/x")
+
+
+# -- a failed write names the path the caller gave, never a temporary file (real tmpfs mounts: run as root) --------
+
+from iobench import iobench_helpers  # noqa: E402 - tests/iobench's helpers: a tmpfs mounted for a test
+
+mount_tmpfs = iobench_helpers.tmpfs  # the fixture: mount(size, options) -> a fresh tmpfs, unmounted after the test
+
+WRITERS = {
+    "write_bytes_atomic": fsutil.write_bytes_atomic,
+    "save_npy_atomic": lambda path, data: fsutil.save_npy_atomic(path, np.frombuffer(data, np.uint8)),
+    "write_json_atomic": lambda path, data: fsutil.write_json_atomic(path, {"x": data.hex()}),
+}
+
+
+def _write_through(helper: str, path, data: bytes) -> None:
+    if helper == "atomic_write":
+        with fsutil.atomic_write(path) as f:
+            f.write(data)
+    elif helper == "atomic_path":
+        with fsutil.atomic_path(path) as tmp:
+            tmp.write_bytes(data)
+    else:
+        WRITERS[helper](path, data)
+
+
+@pytest.mark.parametrize("helper", ["atomic_write", "atomic_path", *WRITERS])
+def test_a_read_only_place_names_the_final_path(mount_tmpfs, helper):
+    target = mount_tmpfs("1m", ",ro") / "out.bin"
+    with pytest.raises(OSError) as err:
+        _write_through(helper, target, b"abc")
+    assert err.value.errno == errno.EROFS and err.value.filename == str(target)
+
+
+@pytest.mark.parametrize("helper", ["atomic_write", "atomic_path", *WRITERS])
+def test_a_full_disk_names_the_final_path_and_leaves_nothing(mount_tmpfs, helper):
+    where = mount_tmpfs("1m")
+    with pytest.raises(OSError) as err:
+        _write_through(helper, where / "out.bin", os.urandom(3 << 20))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(where / "out.bin")
+    assert list(where.iterdir()) == []
+
+
+def test_check_writable_creates_the_directory_or_names_the_path(mount_tmpfs, tmp_path):
+    fsutil.check_writable(tmp_path / "a" / "b" / "out.json")
+    assert (tmp_path / "a" / "b").is_dir()
+    target = mount_tmpfs("1m", ",ro") / "sub" / "out.json"
+    with pytest.raises(OSError) as err:
+        fsutil.check_writable(target)
+    assert err.value.errno == errno.EROFS and err.value.filename == str(target)
+
+
+def test_naming_keeps_the_name_of_an_existing_file_and_errors_that_are_not_the_places(tmp_path):
+    existing = tmp_path / "input.jsonl"
+    existing.write_text("x")
+    for error in (
+        OSError(errno.EACCES, "Permission denied", str(existing)),  # an input that cannot be read
+        OSError(errno.EIO, "Input/output error"),  # broken storage: not a place to choose differently
+        FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "missing")),
+    ):
+        with pytest.raises(OSError) as err:
+            with fsutil.naming(tmp_path / "out.bin"):
+                raise error
+        assert err.value is error
+    with pytest.raises(OSError) as err:
+        with fsutil.naming(tmp_path / "out.bin", existing):  # an existing file written for out.bin
+            raise OSError(errno.ENOSPC, "No space left on device", str(existing))
+    assert err.value.filename == str(tmp_path / "out.bin") and err.value.__cause__ is not None

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from corpusforge.fsutil import write_bytes_atomic
+from corpusforge.fsutil import check_writable, write_bytes_atomic
 from corpusforge.tokenizers.base import TokenizerError
 
 __all__ = ["KINDS", "TrainStats", "TrainTokenizerConfig", "train_tokenizer", "train_tokenizer_on"]
@@ -102,6 +102,7 @@ def train_tokenizer(
     if kind not in KINDS:
         raise TokenizerError(f"unknown tokenizer kind {kind!r}: use one of {', '.join(KINDS)}")
     output = _output_path(Path(output), kind)
+    check_writable(output)  # a read-only place fails now, naming the output, not after the training
     specials = list(dict.fromkeys(special_tokens))  # keep order, drop repeats
     counter = _Counter(texts)
     start = time.perf_counter()
@@ -109,7 +110,6 @@ def train_tokenizer(
         data, actual = _train_bpe(counter, vocab_size, specials)
     else:
         data, actual = _train_sentencepiece(counter, vocab_size, specials)
-    output.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(output, data)  # created 0o666 minus the umask: other users and jobs read the tokenizer
     return TrainStats(kind, counter.documents, counter.bytes, time.perf_counter() - start, actual, output)
 
