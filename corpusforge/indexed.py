@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import glob
 import json
 import mmap
 import os
@@ -54,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge.errors import ArgumentError, CorpusforgeError
-from corpusforge.fsutil import fsync_dir, fsync_path
+from corpusforge.fsutil import check_writable, fsync_dir, fsync_path, naming
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -77,6 +78,10 @@ _CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 
 class IndexedFormatError(CorpusforgeError, ValueError):
     """An .idx/.bin pair that is not a valid Megatron MMap indexed dataset."""
+
+
+class DatasetNotFoundError(CorpusforgeError, FileNotFoundError):
+    """No dataset under a prefix: a file of the pair is missing (require_pair says which, and what to do)."""
 
 
 def bin_path(prefix: str | os.PathLike) -> Path:
@@ -172,28 +177,52 @@ def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
 
 def _finish_pair(prefix: str, bin_fd: int, write_idx: Callable[[Path], None], durable: bool) -> None:
     """The end of every writer of a pair: fsync (when `durable`) and close the `.bin.tmp` open as `bin_fd`, write
-    the `.idx.tmp` with `write_idx(path)`, and publish both under `prefix` (publish_pair). The caller discards its
-    temporary files if this raises, and fsyncs the directory after it."""
-    try:
-        if durable:
-            os.fsync(bin_fd)
-    finally:
-        os.close(bin_fd)
-    tmp = Path(f"{idx_path(prefix)}.tmp")
-    write_idx(tmp)
-    publish_pair(Path(f"{bin_path(prefix)}.tmp"), tmp, prefix)
+    the `.idx.tmp` with `write_idx(path)`, and commit both under `prefix` (publish_pair). The caller discards its
+    temporary files if this raises."""
+    bin_tmp, idx_tmp = Path(f"{bin_path(prefix)}.tmp"), Path(f"{idx_path(prefix)}.tmp")
+    with naming(bin_path(prefix), bin_tmp):
+        try:
+            if durable:
+                os.fsync(bin_fd)
+        finally:
+            os.close(bin_fd)
+    with naming(idx_path(prefix), idx_tmp):
+        write_idx(idx_tmp)
+    publish_pair(bin_tmp, idx_tmp, prefix, durable)
 
 
-def publish_pair(bin_tmp: str | os.PathLike, idx_tmp: str | os.PathLike, prefix: str | os.PathLike) -> None:
-    """Rename a finished pair to `prefix.bin/.idx`, replacing an older pair, so that no reader ever pairs the new
-    .bin with the old .idx or the reverse: the old .idx goes first, the .idx comes last. A crash in between leaves
-    a .bin without an .idx, which every reader refuses as missing; a rerun writes the pair again.
+def publish_pair(
+    bin_tmp: str | os.PathLike, idx_tmp: str | os.PathLike, prefix: str | os.PathLike, durable: bool = True
+) -> None:
+    """Commit a finished, fsynced pair under `prefix.bin/.idx`, replacing an older pair: the one commit of every
+    writer of a pair (a writer, merge, preprocess, the Megatron drop-in). Two renames cannot be atomic together, so
+    the .idx is the commit point:
+
+        1. unlink the old .idx (and fsync the directory): no old .idx can ever pair with the new .bin
+        2. rename the .bin
+        3. rename the .idx, last
+        4. fsync the directory (unless `durable=False`)
+
+    A kill between 1 and 3 leaves a .bin without its .idx (or nothing, for a new dataset), which no reader opens as
+    a dataset (require_pair: "an interrupted ..."), and which a rerun (preprocess: --resume) completes or replaces.
+    So any .idx under the final name is the one written with the .bin beside it. Repeatable: a commit resumed after
+    step 2 (`bin_tmp` gone, the final .bin there) goes on with step 3.
 
     Example: publish_pair("out/c.bin.tmp", "out/c.idx.tmp", "out/c")
     """
-    idx_path(prefix).unlink(missing_ok=True)
-    os.replace(bin_tmp, bin_path(prefix))
-    os.replace(idx_tmp, idx_path(prefix))
+    final_bin, final_idx = bin_path(prefix), idx_path(prefix)
+    with naming(final_idx, idx_tmp):
+        if final_idx.exists() or final_idx.is_symlink():
+            final_idx.unlink()
+            if durable:  # the unlink reaches the disk before the new .bin does, even across a power cut
+                fsync_dir(final_idx.parent)
+    if os.path.lexists(bin_tmp) or not final_bin.exists():
+        with naming(final_bin, bin_tmp):
+            os.replace(bin_tmp, final_bin)
+    with naming(final_idx, idx_tmp):
+        os.replace(idx_tmp, final_idx)
+        if durable:
+            fsync_dir(final_idx.parent)
 
 
 class IndexedDatasetWriter:
@@ -214,7 +243,8 @@ class IndexedDatasetWriter:
         self._bin_final, self._idx_final = bin_path(prefix), idx_path(prefix)
         self._bin_tmp = Path(f"{self._bin_final}.tmp")
         self._idx_tmp = Path(f"{self._idx_final}.tmp")
-        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize/discard
+        with naming(self._bin_final, self._bin_tmp):  # a read-only or forbidden place names the final .bin
+            self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize/discard
         self._lengths: list[np.ndarray] = []  # chunks of int32 sequence lengths
         self._doc_starts: list[np.ndarray] = []  # chunks of int64 document start indices
         self._pending_lengths: list[int] = []  # add_item() sequences of the open document
@@ -254,8 +284,8 @@ class IndexedDatasetWriter:
         """Append every document of an existing dataset, copying its .bin at disk speed (no re-tokenizing)."""
         self._check_open()
         src = _mergeable_source(prefix, self.dtype)
-        self._bin.flush()
-        with open(src.bin_path, "rb") as f:
+        with naming(self._bin_final, self._bin_tmp), open(src.bin_path, "rb") as f:
+            self._bin.flush()
             copy_bytes(f.fileno(), self._bin.fileno(), src.num_tokens * self.dtype.itemsize, None, str(src.bin_path))
         self._lengths.append(src.sequence_lengths.copy())
         self._doc_starts.append(src.document_indices[:-1] + self.num_sequences)
@@ -272,7 +302,8 @@ class IndexedDatasetWriter:
     def _write_tokens(self, tokens: np.ndarray) -> None:
         if tokens.dtype != self.dtype:
             tokens = _cast_tokens(tokens, self.dtype)
-        self._bin.write(memoryview(np.ascontiguousarray(tokens)))
+        with naming(self._bin_final, self._bin_tmp):  # a full disk names the final .bin
+            self._bin.write(memoryview(np.ascontiguousarray(tokens)))
         self.num_tokens += len(tokens)
 
     def _check_open(self) -> None:
@@ -286,7 +317,8 @@ class IndexedDatasetWriter:
         caller that syncs later itself (see `sync`); returns the prefix as a Path."""
         self._check_open()
         try:
-            self._bin.flush()
+            with naming(self._bin_final, self._bin_tmp):
+                self._bin.flush()
             lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
             starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
             doc_idx = np.append(starts, np.int64(self.num_sequences))
@@ -298,8 +330,6 @@ class IndexedDatasetWriter:
         except BaseException:
             self.discard()  # e.g. disk full while writing the .idx: leave no .tmp files behind
             raise
-        if durable:
-            fsync_dir(self._bin_final.parent)
         self.finalized = True
         return Path(self.prefix)
 
@@ -714,14 +744,52 @@ def check_recorded_dtype(prefix: str | os.PathLike, where: str, header_dtype: np
 
 
 def require_pair(prefix: str, what: str) -> None:
-    """Raise FileNotFoundError naming the first of `{prefix}.idx`, `{prefix}.bin` that is missing (`what` the pair
-    is: "a dataset", "a legacy dataset").
+    """The one resolver of a dataset prefix that holds no dataset: raise DatasetNotFoundError (a FileNotFoundError)
+    saying why, in one line (`what` the pair is: "a dataset", "a legacy dataset"):
 
-    Example: require_pair("out/a_text_document", "a dataset")
+    - a .bin without its .idx: a commit that was interrupted (publish_pair: the .idx comes last), never a dataset;
+    - nothing there, but datasets that preprocess names `{prefix}_{key}_document` (or `_sentence`): those, as the
+      prefix meant (`out/tiny` for `out/tiny_text_document`);
+    - otherwise the first of `{prefix}.idx`, `{prefix}.bin` that is missing.
+
+    Example:
+        >>> require_pair("out/tiny", "a dataset")
+        DatasetNotFoundError: no dataset at out/tiny; did you mean out/tiny_text_document?
     """
-    for p in (idx_path(prefix), bin_path(prefix)):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p}: no such file ({what} is the pair {prefix}.bin/.idx)")
+    idx, bin_ = idx_path(prefix), bin_path(prefix)
+    if idx.is_file() and bin_.is_file():
+        return
+    if bin_.is_file() and what == "a dataset":  # (a legacy dataset was written by another tool)
+        raise DatasetNotFoundError(
+            f"{bin_} has no .idx: a preprocess or merge writing it was interrupted (the .idx is written last); "
+            "rerun it (preprocess with --resume) to complete or replace it"
+        )
+    if not idx.exists():
+        meant = dataset_names_under(prefix)
+        if meant:
+            listed = meant[0] if len(meant) == 1 else "one of " + ", ".join(meant)
+            raise DatasetNotFoundError(f"no dataset at {prefix}; did you mean {listed}?")
+    missing = idx if not idx.is_file() else bin_
+    raise DatasetNotFoundError(f"{missing}: no such file ({what} is the pair {prefix}.bin/.idx)")
+
+
+def dataset_names_under(prefix: str | os.PathLike) -> list[str]:
+    """The datasets a prefix given to preprocess names: `{prefix}_{key}_document` and `{prefix}_{key}_sentence`
+    pairs (Megatron's naming), and `{prefix}` itself when it was given with its .bin/.idx extension; sorted.
+
+    Example: dataset_names_under("out/tiny") -> ['out/tiny_text_document']
+    """
+    text = os.fspath(prefix)
+    found = {
+        p.removesuffix(".idx")
+        for kind in ("document", "sentence")
+        for p in glob.glob(f"{glob.escape(text)}_*_{kind}.idx")
+        if os.path.isfile(p[: -len(".idx")] + ".bin")
+    }
+    stem, ext = os.path.splitext(text)
+    if ext in (".bin", ".idx") and exists(stem):
+        found.add(stem)
+    return sorted(found)
 
 
 class BinReader:
@@ -1224,9 +1292,11 @@ class DatasetConcatenator:
         self.bin_tmp = Path(f"{bin_path(prefix)}.tmp")
         self._idx_tmp = Path(f"{idx_path(prefix)}.tmp")
         # First the index's anonymous files: if the disk is full they fail before anything has a name to remove.
-        self._index = _SpilledIndex(self.bin_tmp.parent, self.dtype)
+        with naming(idx_path(prefix)):
+            self._index = _SpilledIndex(self.bin_tmp.parent, self.dtype)
         try:
-            self._fd = os.open(self.bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            with naming(bin_path(prefix), self.bin_tmp):
+                self._fd = os.open(self.bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         except BaseException:
             self._index.close()
             raise
@@ -1243,7 +1313,8 @@ class DatasetConcatenator:
         self._raise_failed_copy()  # a full disk stops the run at the next part, not at the end
         src = _mergeable_source(prefix, self.dtype)
         placement = Placement(os.fspath(src.bin_path), self.nbytes, src.num_tokens * self.dtype.itemsize)
-        self._index.append(src.sequence_lengths, src.document_indices[:-1] + self.num_sequences)
+        with naming(idx_path(self.prefix)):
+            self._index.append(src.sequence_lengths, src.document_indices[:-1] + self.num_sequences)
         self.num_sequences += len(src)
         self.num_documents += src.num_documents
         self.nbytes += placement.nbytes
@@ -1259,22 +1330,22 @@ class DatasetConcatenator:
     def _raise_failed_copy(self) -> None:
         for copy in self._copies:
             if copy.done() and copy.exception() is not None:
-                raise copy.exception()
+                with naming(bin_path(self.prefix), self.bin_tmp):  # a full disk names the output, not "output"
+                    raise copy.exception()
 
     def finalize(self, durable: bool = True) -> Path:
         """Wait for the copies, then make the dataset visible under its final names (durable unless told not)."""
         try:
-            for copy in self._copies:
-                copy.result()
-            os.ftruncate(self._fd, self.nbytes)  # an input's bytes past its index would not be copied: no tail
+            with naming(bin_path(self.prefix), self.bin_tmp):
+                for copy in self._copies:
+                    copy.result()
+                os.ftruncate(self._fd, self.nbytes)  # an input's bytes past its index would not be copied: no tail
             self.closed = True  # _finish_pair closes the descriptor
             _finish_pair(self.prefix, self._fd, lambda tmp: self._index.write(tmp, durable), durable)
         except BaseException:
             self.discard()
             raise
         self._shutdown()
-        if durable:
-            fsync_dir(bin_path(self.prefix).parent)
         return Path(self.prefix)
 
     def discard(self) -> None:
@@ -1309,6 +1380,7 @@ def merge(
     out = os.fspath(output_prefix)
     if any(os.path.abspath(os.fspath(p)) == os.path.abspath(out) for p in prefixes):
         raise ArgumentError(f"{out}: the output prefix is also an input; choose another --output-prefix")
+    check_writable(bin_path(out))  # a read-only place fails now, naming the output, not after the copy
     # Open (and so validate) every input before writing anything: a corrupt last input must not cost a copy of the
     # first ones. The memory maps stay open until each is added: two maps per input, no copy of any array.
     sources = [IndexedDataset(p) for p in prefixes]

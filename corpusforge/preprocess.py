@@ -47,9 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from corpusforge import indexed, sources
-from corpusforge.errors import CorpusforgeError
+from corpusforge.errors import CorpusforgeError, first_line
 from corpusforge.executors import Executor, TaskContext, make_executor
-from corpusforge.fsutil import TMP_SUFFIX, fsync_dir, remove_leftovers, write_json_atomic
+from corpusforge.fsutil import TMP_SUFFIX, check_writable, remove_leftovers, write_json_atomic
 from corpusforge.stages import TaskRun, run_tasks
 from corpusforge.tokenizers import Tokenizer, load_tokenizer
 
@@ -288,9 +288,10 @@ def _preprocess(
             stats.already_complete, stats.seconds = True, time.perf_counter() - t0
             return stats
 
-    tasks = _prepare_parts(config, parts, files, workers, fingerprint)
+    damaged: list[str] = []  # what a resume found damaged and does again, said as warnings
+    tasks = _prepare_parts(config, parts, files, workers, fingerprint, damaged)
     dtype = indexed.best_dtype(tokenizer.vocab_size)
-    done = {t.index: _read_done(parts, t.index) for t in tasks}
+    done = {t.index: _read_done(parts, t.index, config.json_keys, damaged) for t in tasks}
     job = _Job(config, os.path.abspath(parts), np.dtype(dtype).str)
     if on_progress:
         resumed = [t for t in tasks if done[t.index] is not None]
@@ -320,7 +321,7 @@ def _preprocess(
         tokenizer=tokenizer.name,
         engine=tokenizer.backend,
         outputs=config.output_prefixes(),
-        warnings=_input_warnings(found, run.results, tasks),
+        warnings=_input_warnings(found, run.results, tasks) + damaged,
     )
     stats.seconds = time.perf_counter() - t0
     summary = {"config": asdict(config), "fingerprint": fingerprint, "stats": stats.to_dict()}
@@ -336,15 +337,11 @@ def _prepare_output(config: PreprocessConfig) -> None:
         raise PreprocessError(f"--output-prefix {prefix} names a directory; add a file name, e.g. {prefix}corpus")
     parent = Path(prefix).parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        check_writable(prefix)  # a read-only or forbidden place: the OSError names the prefix given
     except (FileExistsError, NotADirectoryError):
         raise PreprocessError(
             f"output directory {parent}: a part of that path is a file; choose another path"
         ) from None
-    except PermissionError:
-        raise PreprocessError(f"output directory {parent} cannot be created (permission denied)") from None
-    if not os.access(parent, os.W_OK):
-        raise PreprocessError(f"output directory {parent} is not writable")
     finals = [path_of(p) for p in config.output_prefixes() for path_of in (indexed.bin_path, indexed.idx_path)]
     for path in [*finals, Path(f"{prefix}.preprocess.json")]:
         if path.exists() and not path.is_file():
@@ -449,12 +446,13 @@ def _read_json(path: Path) -> dict:
 #
 # The outputs are complete, fsynced pairs inside `{prefix}.parts/` before anything gets a final name (the part
 # itself for a one-task input, the concatenation of the parts otherwise). Then `commit.json` records what to
-# rename and the summary to write, and the commit runs: unlink the old summary; for each key, unlink the final
-# .idx, rename the .bin, rename the .idx; write the summary; remove the parts directory. Each step can be done
-# again, so a run killed at any point is finished by `--resume` from the record. The final .idx goes first and
-# comes last: a reader (it opens the .idx, then checks the .bin's size against it) finds the old pair, no .idx,
-# or the new pair; never a .bin beside an .idx that was not written with it. Between keys, one dataset may be new
-# and the next still old: no summary exists then, so none vouches for the set.
+# rename and the summary to write, and the commit runs: unlink the old summary; for each key, the pair's commit
+# (indexed.publish_pair, as every writer of a pair: unlink the final .idx, rename the .bin, rename the .idx); write
+# the summary; remove the parts directory. Each step can be done again, so a run killed at any point is finished by
+# `--resume` from the record. The final .idx goes first and comes last: a reader finds the old pair, a .bin without
+# an .idx (refused, naming the interrupted commit: indexed.require_pair), or the new pair; never a .bin beside an
+# .idx that was not written with it. Between keys, one dataset may be new and the next still old: no summary
+# exists then, so none vouches for the set.
 
 
 def _commit_record(staged: list[Path], config: PreprocessConfig, summary: dict) -> dict:
@@ -478,11 +476,7 @@ def _commit(parts: Path, record: dict) -> None:
         staged, final = parts / staged, out_dir / final
         if not indexed.idx_path(staged).exists():
             continue  # committed already: its .idx is the last step
-        indexed.idx_path(final).unlink(missing_ok=True)
-        if indexed.bin_path(staged).exists():
-            os.replace(indexed.bin_path(staged), indexed.bin_path(final))
-        os.replace(indexed.idx_path(staged), indexed.idx_path(final))
-    fsync_dir(out_dir)
+        indexed.publish_pair(indexed.bin_path(staged), indexed.idx_path(staged), final)  # (repeatable)
     write_json_atomic(summary_path, record["summary"])  # (and fsyncs the directory)
     _remove_parts(parts)
 
@@ -543,18 +537,23 @@ def _already_complete(config: PreprocessConfig, summary_path: Path, fingerprint:
     return previous.get("fingerprint") == fingerprint and all(indexed.exists(p) for p in config.output_prefixes())
 
 
-def _prepare_parts(config: PreprocessConfig, parts: Path, files, workers: int, fingerprint: dict) -> list:
-    """Reuse the task plan of an interrupted run (resume), or start a fresh parts directory."""
+def _prepare_parts(
+    config: PreprocessConfig, parts: Path, files, workers: int, fingerprint: dict, damaged: list[str]
+) -> list:
+    """Reuse the task plan of an interrupted run (resume), or start a fresh parts directory. A manifest that cannot
+    be read (damaged on disk: it is written atomically) cannot say what its parts hold: the run starts over, and
+    `damaged` says so."""
     manifest_path = parts / "manifest.json"
-    if config.resume and manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest["fingerprint"] != fingerprint:
-            differs = ", ".join(k for k in fingerprint if manifest["fingerprint"].get(k) != fingerprint[k])
+    saved = _read_manifest(manifest_path, damaged) if config.resume and manifest_path.is_file() else None
+    if saved is not None:
+        made_with, tasks = saved
+        if made_with != fingerprint:
+            differs = ", ".join(k for k in fingerprint if made_with.get(k) != fingerprint[k])
             raise PreprocessError(
                 f"{parts}: the unfinished run was made with other {differs}; run without --resume to start over"
             )
         remove_leftovers(parts)  # a killed worker's unfinished part, or its done marker's temporary file
-        return [sources.Task(**t) for t in manifest["tasks"]]
+        return tasks
     if parts.exists():
         shutil.rmtree(parts)
     parts.mkdir()
@@ -619,10 +618,55 @@ def _extracting_ahead(config: PreprocessConfig, files: Sequence[Path], executor:
         thread.join()
 
 
-def _read_done(parts: Path, index: int) -> TaskStats | None:
-    """A finished task's stats, from its done marker; None while it has none."""
-    path = parts / f"part-{index:05d}.done.json"
-    return TaskStats.from_dict(json.loads(path.read_text())) if path.is_file() else None
+def _read_manifest(path: Path, damaged: list[str]) -> tuple[dict, list] | None:
+    """(the fingerprint, the tasks) an interrupted run recorded; None, said in `damaged`, where they cannot be read."""
+    try:
+        manifest = json.loads(path.read_text())
+        made_with = dict(manifest["fingerprint"])
+        return made_with, [sources.Task(**t) for t in manifest["tasks"]]
+    except (ValueError, TypeError, KeyError) as e:
+        damaged.append(f"{path}: damaged ({first_line(e)}); its finished parts cannot be trusted: started over")
+        return None
+
+
+def _read_done(parts: Path, index: int, keys: Sequence[str], damaged: list[str]) -> TaskStats | None:
+    """A finished task's stats, from its done marker; None while it has none.
+
+    A resume trusts a part only if its marker reads back and its datasets validate and hold what the marker
+    counts: a part damaged on disk (a truncated or foreign file, a marker cut short) would otherwise stop the run
+    with a verdict about a file the user never made, or worse, end up in the output. Its files are removed, the
+    task runs again, and `damaged` says so (a warning of the run)."""
+    marker = parts / f"part-{index:05d}.done.json"
+    if not marker.is_file():
+        return None
+    prefixes = [parts / f"part-{index:05d}_{key}_document" for key in keys]
+    try:
+        try:
+            stats = TaskStats.from_dict(json.loads(marker.read_text()))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{marker.name}: {first_line(e)}") from None
+        _check_part(prefixes, stats)
+        return stats
+    except (ValueError, FileNotFoundError) as e:  # and IndexedFormatError, DatasetNotFoundError
+        what = first_line(e).split("; ")[0]  # the fault, not the fix a dataset's reader suggests
+        damaged.append(f"{parts / marker.name.removesuffix('.done.json')}: a finished part is damaged ({what}); "
+                       "tokenized again")  # fmt: skip
+    for path in [marker, *(f(p) for p in prefixes for f in (indexed.bin_path, indexed.idx_path))]:
+        path.unlink(missing_ok=True)
+    return None
+
+
+def _check_part(prefixes: list[Path], stats: TaskStats) -> None:
+    """Every dataset of a part validates and holds the documents and tokens its done marker counts."""
+    tokens = 0
+    for prefix in prefixes:
+        ds = indexed.IndexedDataset(prefix)
+        documents, tokens = ds.num_documents, tokens + ds.num_tokens
+        ds.close()
+        if documents != stats.documents:
+            raise ValueError(f"{prefix.name} holds {documents} documents, its done marker counts {stats.documents}")
+    if tokens != stats.tokens:
+        raise ValueError(f"the part holds {tokens} tokens, its done marker counts {stats.tokens}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -259,3 +259,26 @@ def test_decode_refuses_a_changed_or_missing_tokenizer(tmp_path):
     assert run.returncode == 1 and "no P.preprocess.json" in run.stderr, run.stderr
     run = _inspect("out/c_text_document", cwd=copy)  # without --decode no tokenizer is needed
     assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.slow  # CLI processes: ~3 s of imports each
+def test_inspect_of_the_readmes_prefix_points_to_the_dataset_it_wrote(tmp_path):
+    """The README runs `preprocess ... --output-prefix out/tiny`, which writes out/tiny_text_document.bin/.idx; a
+    user then types `inspect out/tiny`. And a .bin left without its .idx by a killed commit is no dataset."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-corpus.jsonl.zst"
+    cli = [sys.executable, "-m", "corpusforge.cli"]
+    run = lambda *args: subprocess.run([*cli, *args], capture_output=True, text=True, cwd=tmp_path)  # noqa: E731
+    assert run("preprocess", str(example), "--output-prefix", "out/tiny").returncode == 0
+    for command in (["inspect", "out/tiny"], ["merge", "out/tiny", "--output-prefix", "out/all"]):
+        proc = run(*command)
+        assert proc.returncode == 1 and proc.stderr == (
+            "corpusforge: error: no dataset at out/tiny; did you mean out/tiny_text_document?\n"
+        ), proc.stderr
+    (tmp_path / "out" / "tiny_text_document.idx").unlink()  # as a kill between the commit's two renames leaves it
+    proc = run("inspect", "out/tiny_text_document")
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        "corpusforge: error: out/tiny_text_document.bin has no .idx: a preprocess or merge writing it was "
+        "interrupted (the .idx is written last); rerun it (preprocess with --resume) to complete or replace it"
+    ]

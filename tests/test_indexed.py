@@ -567,11 +567,21 @@ def test_token_sample_reads_the_start_middle_and_end(tmp_path):
     assert set(positions.tolist()) == set(range(100)) and (sample == positions).all()
 
 
-@pytest.mark.parametrize("missing", [".bin", ".idx"])
-def test_missing_file_is_named(good, missing):
-    good.with_suffix(missing).unlink()
-    with pytest.raises(FileNotFoundError, match=rf"good\{missing}: no such file"):
+@pytest.mark.parametrize(
+    "missing, message",
+    [
+        ((".bin",), r"good\.bin: no such file \(a dataset is the pair .*good\.bin/\.idx\)$"),
+        ((".bin", ".idx"), r"good\.idx: no such file \(a dataset is the pair .*good\.bin/\.idx\)$"),
+        # the .idx is a pair's commit point (publish_pair): a .bin without it is an interrupted write, not a dataset
+        ((".idx",), r"good\.bin has no \.idx: a preprocess or merge writing it was interrupted .*; rerun it \("),
+    ],
+)
+def test_a_missing_file_is_named_and_a_bin_without_its_idx_is_an_interrupted_write(good, missing, message):
+    for ext in missing:
+        good.with_suffix(ext).unlink()
+    with pytest.raises(indexed.DatasetNotFoundError, match=message) as err:
         IndexedDataset(good)
+    assert isinstance(err.value, FileNotFoundError) and "\n" not in str(err.value)
 
 
 def test_read_header(good):
@@ -748,7 +758,7 @@ def test_a_crash_while_replacing_a_pair_leaves_old_or_none(tmp_path, monkeypatch
         ds = IndexedDataset(prefix)
         assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4, 5], [6]]
     else:
-        with pytest.raises(FileNotFoundError, match="no such file"):
+        with pytest.raises(indexed.DatasetNotFoundError, match=r"ds\.bin has no \.idx: a preprocess or merge writing"):
             IndexedDataset(prefix)
 
 
@@ -781,3 +791,68 @@ def test_open_refuses_an_unreadable_bin_at_open():
         f"PermissionError: [Errno {errno.EACCES}] no permission to read the dataset's .bin: '{prefix}.bin'"
         in out.stderr
     )
+
+
+# -- a full disk names the output, whichever writer fills it (a real tmpfs; the suite runs as root) ------------------
+
+from iobench import iobench_helpers  # noqa: E402 - tests/iobench's helpers: a tmpfs mounted for a test
+
+mount_tmpfs = iobench_helpers.tmpfs  # the fixture: mount(size, options) -> a fresh tmpfs, unmounted after the test
+
+
+def _big(prefix: Path) -> Path:
+    with IndexedDatasetWriter(prefix, np.uint16) as w:  # 1.6 MB of tokens, 40 KB of index
+        w.add_documents(np.arange(800_000) % 50_000, np.full(4000, 200))
+    return prefix
+
+
+@pytest.mark.parametrize(
+    "size, write, named",
+    [
+        ("1m", lambda src, out: merge([src], out), "out.bin"),  # the tokens do not fit
+        ("1m", lambda src, out: IndexedDatasetWriter(out, np.uint16).add_dataset(src), "out.bin"),
+        ("1m", lambda src, out: _big(out), "out.bin"),
+        ("1680k", lambda src, out: merge([src], out), "out.idx"),  # the tokens fit, their index does not
+        ("1600k", lambda src, out: _big(out), "out.idx"),
+    ],
+    ids=["merge-bin", "writer-copy", "writer-add", "merge-idx", "writer-idx"],
+)
+def test_a_full_disk_names_the_final_file_not_a_temporary_or_nothing(mount_tmpfs, tmp_path, size, write, named):
+    src, where = _big(tmp_path / "src"), mount_tmpfs(size)
+    with pytest.raises(OSError) as err:
+        write(src, where / "out")
+    assert err.value.errno == errno.ENOSPC and err.value.filename == f"{where}/{named}"
+    assert not list(where.glob("out.idx"))  # no index of a dataset that is not there
+
+
+def test_a_read_only_place_is_refused_before_the_merge_copies_anything(mount_tmpfs, tmp_path):
+    ro = mount_tmpfs("1m", ",ro")
+    with pytest.raises(OSError) as err:
+        merge([_big(tmp_path / "src")], ro / "out")
+    assert err.value.errno == errno.EROFS and err.value.filename == f"{ro}/out.bin"
+
+
+# -- one resolver of dataset prefixes: a prefix that names no dataset says what it may have meant -------------------
+
+
+def test_a_prefix_of_preprocess_is_pointed_to_its_datasets(tmp_path):
+    """`preprocess --output-prefix out/tiny` writes out/tiny_text_document.bin/.idx; the README then says
+    `inspect out/tiny`..."""
+    for name in ("tiny_text_document", "tiny_title_document", "tiny_text_sentence", "tinyx_text_document"):
+        _write_pair(tmp_path / name, [[1, 2]])
+    (tmp_path / "tiny_orphan_document.bin").write_bytes(b"")  # no .idx: not a dataset
+    with pytest.raises(indexed.DatasetNotFoundError) as err:
+        IndexedDataset(tmp_path / "tiny")
+    t = tmp_path / "tiny"
+    assert str(err.value) == (
+        f"no dataset at {t}; did you mean one of {t}_text_document, {t}_text_sentence, {t}_title_document?"
+    )
+    for name in ("tiny_title_document", "tiny_text_sentence"):
+        for ext in (".bin", ".idx"):
+            (tmp_path / f"{name}{ext}").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^no dataset at {t}; did you mean {t}_text_document\?$"):
+        merge([t], tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match=rf"^no dataset at {t}_text_document\.bin; did you mean {t}_text_d"):
+        IndexedDataset(f"{t}_text_document.bin")  # given with its extension
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path}/nothing\.idx: no such file \(a dataset is the pair"):
+        IndexedDataset(tmp_path / "nothing")
