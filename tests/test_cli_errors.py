@@ -359,3 +359,92 @@ def test_help_does_not_import_torch_or_numba(argv):
     proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a failed write names the path the user gave (real tmpfs mounts: a full one, a read-only one; the suite runs as root)
+
+from iobench import iobench_helpers  # noqa: E402 - tests/iobench's helpers: a tmpfs mounted for a test
+
+mount_tmpfs = iobench_helpers.tmpfs  # the fixture: mount(size, options) -> a fresh tmpfs, unmounted after the test
+
+
+@pytest.mark.slow  # CLI processes, side by side
+def test_real_cli_a_full_or_read_only_place_is_named_as_given(workdir, mount_tmpfs, tmp_path):
+    full, ro = mount_tmpfs("1m"), mount_tmpfs("1m", ",ro")
+    big = tmp_path / "big_text_document"  # 1.6 MB of tokens: more than the full mount holds
+    with IndexedDatasetWriter(big, np.uint16) as w:
+        w.add_documents(np.arange(800_000) % 50_000, np.full(800, 1000))
+    cases = [
+        (["merge", str(big), "--output-prefix", f"{full}/m"], rf"{full}/m\.(bin|idx): no space left \("),
+        (["merge", str(big), "--output-prefix", f"{ro}/m"], rf"{ro}/m\.bin: Read-only file system; choose a path"),
+        (["merge", str(big), "--output-prefix", f"{ro}/sub/m"], rf"{ro}/sub/m\.bin: Read-only file system; choose"),
+        (
+            ["train-tokenizer", str(workdir / "c.jsonl"), "--vocab-size", "300", "--output", f"{ro}/t.json"],
+            rf"{ro}/t\.json: Read-only file system; choose a path you can write$",
+        ),
+        (
+            ["preprocess", str(workdir / "c.jsonl"), "--output-prefix", f"{ro}/p"],
+            rf"{ro}/p: Read-only file system; choose a path you can write$",
+        ),
+    ]
+    for (argv, pattern), (code, err) in zip(cases, _run_side_by_side([[*CLI, *a] for a, _ in cases], tmp_path)):
+        lines = err.splitlines()
+        assert code == 1 and len(lines) == 1 and re.match(ERROR + pattern, lines[0]), (argv, err)
+        assert ".tmp" not in err and "output:" not in err, (argv, err)
+    assert list(full.iterdir()) == []  # the failed merge left nothing behind
+
+
+def test_count_options_refuse_0_and_say_x_at_least_1():
+    """--workers 0 was accepted (its help said x>=0), while a count must be positive: every count-like option of
+    every command is of the shared type, so 0 is a usage error; the test above runs each with 0, -1, x, 1.5."""
+    counts = {(c, o) for c, o, kind in _typed_options() if kind == "count"}
+    assert {("preprocess", "--workers"), ("build-knn", "--workers"), ("query-knn", "-k")} <= counts, counts
+    result = CliRunner().invoke(main, ["preprocess", "in.jsonl", "--output-prefix", "o", "--workers", "0"])
+    assert result.exit_code == 2 and "Invalid value for '--workers': 0 is not in the range x>=1." in result.stderr
+    help_text = CliRunner().invoke(main, ["preprocess", "--help"]).output
+    assert "x>=1" in help_text and "x>=0" not in help_text.split("--retries")[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a failure quoted inside a one-line error never brings its traceback (`[<FrameSummary ...>]`) along
+
+
+@pytest.mark.slow  # imports torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: DCP says so on each call
+@pytest.mark.parametrize("cut", [0, 64, "half", -1], ids=["empty", "in-header", "half", "one-byte-short"])
+def test_a_damaged_checkpoint_shard_is_quoted_without_its_traceback(tmp_path, cut):
+    """DCP's CheckpointException holds, per rank, (the exception, its StackSummary): str() of that pair printed
+    `[<FrameSummary file ...>]` into the trainer's one line. first_line quotes the failure itself."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from corpusforge.errors import first_line
+
+    dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, checkpoint_id=tmp_path)
+    shard = next(tmp_path.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: {"half": len(data) // 2, -1: len(data) - 1}.get(cut, cut)])
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"w": torch.zeros(4096)}, checkpoint_id=tmp_path)
+    for carrier in (err.value, next(iter(err.value.failures.values()))):  # the exception, and one rank's pair
+        line = first_line(carrier)
+        assert "FrameSummary" not in line and "\n" not in line and line, line
+        assert "CheckpointException" not in line  # the failure's own words, not the wrapper's
+    assert "FrameSummary" in str(next(iter(err.value.failures.values())))  # what str() alone gave
+
+
+def test_first_line_of_failures_carried_with_a_traceback():
+    import traceback
+
+    from corpusforge.errors import first_line
+
+    stack = traceback.extract_stack()
+    assert first_line((OSError("short read\nmore"), stack)) == "short read"
+    assert first_line(RuntimeError("it failed", stack)) == "it failed"
+    assert first_line(ExceptionGroup("two", [ValueError("the first"), KeyError("k")])) == "the first"
+    assert first_line(ValueError("")) == "ValueError"
+    assert first_line(OSError(errno.ENOSPC, "No space left on device", "out/x")) == (
+        "[Errno 28] No space left on device: 'out/x'"
+    )

@@ -1,4 +1,5 @@
-"""How the CLI talks to people: progress on a terminal, one error line, a closing summary (or JSON)."""
+"""How the CLI talks to people: progress on a terminal, one error line, one line per warning, a closing summary (or
+JSON)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -81,7 +83,8 @@ def one_line_errors(command: str = "") -> Iterator[None]:
         ...     preprocess(config)      # InputError("x.parquet: not a parquet file ...") -> one line, exit 1
     """
     try:
-        yield
+        with one_line_warnings():
+            yield
     except CorpusforgeError as e:
         fail(str(e), e.exit_code)
     except OSError as e:
@@ -91,6 +94,32 @@ def one_line_errors(command: str = "") -> Iterator[None]:
         fail(line)
     except KeyboardInterrupt:
         fail(_INTERRUPTED.get(command, "interrupted"), EXIT_INTERRUPTED)
+
+
+@contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While a command runs, corpusforge's own warnings (a category defined in the package: ShortSplitWarning, ...)
+    print as one line on stderr, `corpusforge: warning: MESSAGE`, by rank 0 only (every rank meets the same data),
+    instead of Python's `file:line: Category: message` and the source line under it. Other libraries' warnings
+    keep Python's format. The filters decide as always whether a warning shows (once per place by default); a
+    library user, outside any command, gets ordinary Python warnings to filter or record.
+
+    Example:
+        >>> with one_line_warnings():
+        ...     warnings.warn("a_text_document: the valid split holds 12 tokens ...", ShortSplitWarning)
+        corpusforge: warning: a_text_document: the valid split holds 12 tokens ...
+    """
+    with warnings.catch_warnings():  # restores Python's showwarning when the command ends
+        python_format = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            if not category.__module__.startswith("corpusforge"):
+                python_format(message, category, filename, lineno, file, line)
+            elif is_rank_zero():
+                click.echo(f"corpusforge: warning: {' '.join(str(message).split())}", err=True)
+
+        warnings.showwarning = show
+        yield
 
 
 def _os_error_line(e: OSError) -> str | None:

@@ -10,7 +10,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options, executor_opts
-from corpusforge.cli.types import COUNT, Size
+from corpusforge.cli.types import COUNT, Size, counted
 from corpusforge.retro.config import BuildConfig
 
 # what each stage's bar counts
@@ -27,11 +27,11 @@ BUILD_OPTIONS = config_options(
     Opt("max_index_memory", type=Size(minimum=1, as_text=True)),
     Opt("train_per_list", type=click.IntRange(39, 256)),
     Opt("kmeans", choices=("auto", "flat", "two-level")),
-    Opt("shard_size", type=click.IntRange(1)),
-    Opt("k", ("-k", "--neighbours-k"), type=click.IntRange(1)),
-    Opt("candidates", type=click.IntRange(1)),
+    Opt("shard_size", type=COUNT),
+    Opt("k", ("-k", "--neighbours-k"), type=COUNT),
+    Opt("candidates", type=COUNT),
     Opt("query_prefix", help="Training dataset to fetch neighbours for [default: PREFIX itself]."),
-    Opt("recall_queries", type=click.IntRange(1)),
+    Opt("recall_queries", type=COUNT),
     Opt("recall_target", type=click.FloatRange(0, 1)),
     Opt("seed", type=click.IntRange(min=0)),
     Opt("gpu", choices=("auto", "on", "off"),
@@ -39,7 +39,7 @@ BUILD_OPTIONS = config_options(
     Opt("index_on_disk", "--index-on-disk/--index-in-ram",
         help="Merge an IVF index's lists into index/index.ivfdata (searched memory-mapped) [default: when the "
         "planned index needs more than half of this machine's RAM]."),
-    *executor_opts("Shard tasks (chunking, embedding, index add, neighbours)"),
+    *counted(executor_opts("Shard tasks (chunking, embedding, index add, neighbours)")),
     exclude=("prefix",),
 )  # fmt: skip
 
@@ -187,7 +187,7 @@ def _plan_rows(plan: dict) -> list[tuple[str, object]]:
 @click.command("query-knn", cls=_report.Command)
 @click.argument("db")
 @click.argument("text")
-@click.option("-k", default=5, show_default=True, type=click.IntRange(1), help="Nearest chunks per query chunk.")
+@click.option("-k", default=5, show_default=True, type=COUNT, help="Nearest chunks per query chunk.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 def query_knn_cmd(db, text, k, as_json) -> None:
     """Show the database chunks nearest to TEXT (tokenised and chunked like the database), as text."""

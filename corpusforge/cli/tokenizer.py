@@ -8,16 +8,17 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options
+from corpusforge.cli.types import COUNT
 from corpusforge.tokenizers.training import KINDS, TrainTokenizerConfig
 
 # How train-tokenizer writes TrainTokenizerConfig's fields where it differs from their name and type.
 TRAIN_TOKENIZER_OPTIONS = config_options(
     TrainTokenizerConfig,
-    Opt("vocab_size", type=click.IntRange(min=1)),
+    Opt("vocab_size", type=COUNT),
     Opt("output", type=click.Path(dir_okay=False, path_type=Path)),
     Opt("kind", choices=tuple(KINDS)),
     Opt("json_keys", multiple=True),
-    Opt("max_mb", type=click.IntRange(min=1)),
+    Opt("max_mb", type=COUNT),
     exclude=("inputs",),
 )
 

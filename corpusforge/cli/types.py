@@ -6,6 +6,7 @@ the option's name, before any work starts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import click
@@ -97,5 +98,33 @@ class Seconds(click.ParamType):
         return seconds
 
 
-COUNT = click.IntRange(min=1)
-"""A positive whole number (chunks, steps, files, processes)."""
+class Count(click.IntRange):
+    """A positive whole number (workers, chunks, steps, files): 0 and below are a usage error (exit 2) naming the
+    option, and --help says x>=1. A default a config field gives in code passes as it is (workers=0 there means
+    "one per core", which the option's help says in words); typed on the command line, 0 is refused.
+
+    Example:
+        >>> Count().convert("0", None, None)
+        click.exceptions.BadParameter: 0 is not in the range x>=1.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(min=1)
+
+    def convert(self, value, param, ctx):
+        if param is not None and type(value) is int and value == param.default:  # the field's, not a person's
+            return value
+        return super().convert(value, param, ctx)
+
+
+COUNT = Count()
+"""A positive whole number (workers, chunks, steps, files, processes)."""
+
+
+def counted(opts: tuple, fields: tuple[str, ...] = ("workers",)) -> tuple:
+    """`opts` (config_options' Opt specs) with COUNT as the type of `fields`: executor_opts declares --workers
+    x>=0, and a count of workers must be positive (0 is neither a worker nor "the default").
+
+    Example: config_options(PreprocessConfig, *counted(executor_opts("Tasks")))
+    """
+    return tuple(dataclasses.replace(o, type=COUNT) if o.field in fields else o for o in opts)

@@ -56,3 +56,44 @@ def test_unknown_option_and_bad_split(corpora):
         build_gpt_datasets(corpora[0], 32, split="0,0,0")
     with pytest.raises(ValueError, match="need eod_token_id"):
         build_gpt_datasets(corpora[0], 32, eod_mask_loss=True)
+
+
+def test_a_short_split_warns_in_one_line_under_the_cli_and_as_a_python_warning_in_a_library(corpora):
+    """Under any corpusforge command (the one handler, _report.Command: the trainer's `python -m corpusforge.train`
+    too), corpusforge's own warnings are one line on stderr in the CLI's format; outside, an ordinary warning."""
+    import os
+    import subprocess
+    import sys
+    import warnings
+
+    from corpusforge.data.gpt_dataset import ShortSplitWarning
+
+    # a real command in a real process, the way `python -m corpusforge.train` starts one: click + _report.Command
+    command = (
+        "import sys, click\n"
+        "from corpusforge.cli import _report\n"
+        "from corpusforge.data import build_gpt_datasets\n"
+        "@click.command('short', cls=_report.Command)\n"
+        "def short():\n"
+        "    build_gpt_datasets(sys.argv[1], 100_000, num_samples=(10, 0, 0))\n"
+        "    click.echo('built')\n"
+        "short(sys.argv[2:], prog_name='corpusforge short')\n"
+    )
+
+    def run(**env) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", command, corpora[1]]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+
+    # rank 1 of a torchrun job leaves the line to rank 0 (which runs second: the warning does not hang on a cache)
+    proc = run(RANK="1", WORLD_SIZE="2")
+    assert proc.returncode == 0 and proc.stdout == "built\n" and proc.stderr == "", proc.stderr
+    proc = run(RANK="0", WORLD_SIZE="2")
+    assert proc.returncode == 0 and proc.stdout == "built\n", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"corpusforge: warning: {corpora[1]}: the train split "), lines
+    assert "fewer than one sample of 100001: it is repeated" in lines[0] and "ShortSplitWarning" not in lines[0]
+    # a library user: Python's warning, which filters can turn into an error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShortSplitWarning)
+        with pytest.raises(ShortSplitWarning):
+            build_gpt_datasets(corpora[1], 100_000, num_samples=(10, 0, 0))
