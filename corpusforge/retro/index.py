@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from corpusforge.errors import first_line
 from corpusforge.fsutil import remove_leftovers
 from corpusforge.retro import fill
 from corpusforge.retro.common import RetroError, c_stdout_to_stderr, import_faiss
@@ -487,7 +488,7 @@ def load_index(path: Path, search_params: str, mmap: bool = False):
     flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
     if path.with_suffix(".ivfdata").exists():
         with c_stdout_to_stderr():  # faiss says where it found the lists, on stdout
-            index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
+            index = _read_index(faiss, path, flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
         # No prefetch threads: a search leaves them to be joined by the next one, and in a worker forked after the
         # driver's recall search those threads do not exist: joining them killed the worker. The lists are mapped,
         # so a search still reads them, page by page (see _advise_random); faiss's prefetch was no faster here.
@@ -495,9 +496,24 @@ def load_index(path: Path, search_params: str, mmap: bool = False):
         lists.prefetch_nthread = 0
         _advise_random(faiss, lists)
     else:
-        index = faiss.read_index(str(path), flags)
+        index = _read_index(faiss, path, flags)
     set_search_params(index, search_params)
     return index
+
+
+def _read_index(faiss, path: Path, flags: int):
+    """faiss.read_index, with a file it cannot read (cut short, junk, another program's) refused in one line naming
+    it: faiss checks every read against what the file's header promised, and raises a RuntimeError whose message
+    starts with its C++ source location (tested: truncated at every field of Flat, IVF-Flat and IVF-PQ indexes)."""
+    try:
+        return faiss.read_index(str(path), flags)
+    except (RuntimeError, MemoryError) as e:  # MemoryError: a damaged count asking for more than there is
+        why = re.sub(r"^Error in .*? at \S+:\d+: (Error: )?", "", first_line(e))
+        why = re.sub(r" \((No such file or directory|Success)\)$", "", why)  # errno left over from an earlier call
+        raise RetroError(
+            f"{path}: not a readable faiss index ({why}); the file is truncated or damaged: restore it, or rebuild "
+            "the database (build-knn into a new --output)"
+        ) from None
 
 
 def _advise_random(faiss, lists) -> None:

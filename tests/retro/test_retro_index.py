@@ -1,4 +1,7 @@
-"""The planner follows autofaiss's rules; a budget too small for any index is one clear error; PQ path builds."""
+"""The planner follows autofaiss's rules; a budget too small for any index is one clear error; PQ path builds; a
+damaged index file is refused in one line."""
+
+import re
 
 import numpy as np
 import pytest
@@ -214,3 +217,67 @@ def test_query_cost_prefers_more_lists_with_fewer_candidates_where_10m_measured_
     assert query_cost(small, "nprobe=4096", 40) == query_cost(small, "nprobe=64", 40)
     assert probes_every_list(small, "nprobe=64") and not probes_every_list(small, "nprobe=48")
     assert not probes_every_list(plan_index(10**4, 64, G, key="HNSW32"), "efSearch=4096")
+
+
+# -- a damaged index file is refused on load, in one line naming it ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory):
+    """A real retrieval database (retrokit's topical documents) with an IVF index, and its tokenizer-free query."""
+    from retrokit import topical_documents, write_dataset
+
+    from corpusforge.retro import build_knn
+    from corpusforge.retro.config import BuildConfig
+
+    root = tmp_path_factory.mktemp("damaged-index")
+    data = write_dataset(root / "corpus", topical_documents(150, max_len=300))
+    db = root / "db"
+    build_knn(BuildConfig(prefix=data, output=str(db), index_key="IVF8,Flat", recall_queries=50, neighbours=False))
+    return db
+
+
+CUTS = {"empty": 0, "in-magic": 3, "after-magic": 4, "in-header": 20, "in-centroids": 100, "half": 0.5, "last-byte": -1}
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+@pytest.mark.parametrize("damage", [*CUTS, "junk", "another-file"])
+def test_a_truncated_or_junk_index_is_refused_naming_the_file(small_db, tmp_path, damage, mmap):
+    from corpusforge.retro.index import load_index
+
+    index = small_db / "index" / "index.faiss"
+    data = index.read_bytes()
+    path = tmp_path / "index.faiss"
+    if damage == "junk":
+        path.write_bytes(b"junk" * 100)
+    elif damage == "another-file":
+        path.write_bytes((small_db / "manifest.json").read_bytes())
+    else:
+        cut = CUTS[damage]
+        path.write_bytes(data[: int(len(data) * cut) if isinstance(cut, float) else cut])  # (-1: one byte short)
+    with pytest.raises(RetroError) as err:
+        load_index(path, "nprobe=8", mmap=mmap)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not a readable faiss index (") and "\n" not in message, message
+    assert message.endswith("the file is truncated or damaged: restore it, or rebuild the database (build-knn into a "
+                            "new --output)") and "Error in" not in message and ".cpp" not in message  # fmt: skip
+
+
+@pytest.mark.slow  # a CLI process: ~3 s of imports
+def test_query_knn_on_a_truncated_index_is_one_line(small_db, tmp_path):
+    import shutil
+
+    from retrokit import run_cli
+
+    db = tmp_path / "db"
+    shutil.copytree(small_db, db)
+    index = db / "index" / "index.faiss"
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+    proc = run_cli("query-knn", str(db), "any text")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"corpusforge: error: {re.escape(str(index))}: not a readable faiss index \(.*read error in .*\); the file "
+        r"is truncated or damaged: restore it, or rebuild the database \(build-knn into a new --output\)",
+        lines[0],
+    ), lines
