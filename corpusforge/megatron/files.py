@@ -8,8 +8,10 @@ Each check here reads its file once and builds no tokenizer. A file that fails i
     flag                 type                     a good file
     --vocab-file         GPT2BPETokenizer         UTF-8 JSON object, token -> distinct id >= 0 (GPT-2's vocab.json)
     --merge-file         GPT2BPETokenizer         UTF-8 lines "a b" after an optional "#version" line; a, b and ab
-                                                  in the vocab (what `tokenizers` needs to build the BPE)
+                                                  in the vocab (what `tokenizers` needs to build the BPE); not empty
+                                                  (a file cut between two lines is a smaller BPE: no check sees it)
     --vocab-file         BertWordPiece*           UTF-8 text, one token per line, not JSON, holding [UNK] [CLS] [SEP]
+                                                  (one cut short is a smaller vocab: no check sees it)
     --tokenizer-model    TikTokenizer             .json list of {rank, token_bytes (base64), token_str}, ranks 0..n-1,
                                                   the first 256 the single bytes (megatron.core's own asserts)
     --tokenizer-model    HuggingFaceTokenizer     a directory (or a Hub id in the local cache); its JSON files parse,
@@ -54,11 +56,14 @@ def read(flag: str, path: str | None, what: str) -> bytes:
     if p.is_dir():
         raise MegatronTokenizerError(f"{flag} {path}: a directory, not a file; give the path of the {what}")
     try:
-        return p.read_bytes()
+        data = p.read_bytes()
     except OSError as e:
         raise MegatronTokenizerError(
             f"{flag} {path}: cannot be read ({(e.strerror or first_line(e)).lower()}); make it readable"
         ) from None
+    if not data:
+        raise MegatronTokenizerError(f"{flag} {path}: an empty file (0 bytes); give the path of the {what}")
+    return data
 
 
 def utf8(flag: str, path: str, data: bytes, what: str, fix: str) -> str:
@@ -101,6 +106,7 @@ def bpe_merges(path: str | None, vocab: dict[str, int], vocab_path: str, flag: s
     """merges.txt: lines "a b" (an optional "#version" first line, blank lines ignored), a, b and ab in `vocab`."""
     what = "BPE merges file"
     text = utf8(flag, path, read(flag, path, what), what, MERGES_FIX)
+    merges = 0
     for n, line in enumerate(text.split("\n"), 1):
         line = line.rstrip("\r")
         if not line or (n == 1 and line.startswith("#version")):
@@ -117,6 +123,9 @@ def bpe_merges(path: str | None, vocab: dict[str, int], vocab_path: str, flag: s
                 f"{flag} {path}: line {n} merges {a!r} and {b!r}, but {missing!r} is not in the vocab file "
                 f"{vocab_path}; pass the merges file saved with that vocab"
             )
+        merges += 1
+    if not merges:
+        raise MegatronTokenizerError(f"{flag} {path}: holds no merge (empty): not a {what}; {MERGES_FIX}")
 
 
 def wordpiece_vocab(path: str | None, flag: str = "--vocab-file") -> None:

@@ -371,10 +371,12 @@ class _SentencePieceTexts(_Texts):
             )
         try:
             self._tok = load_tokenizer(model, engine=spec.engine, threads=threads)
-        except TokenizerError as e:
+            self._tok.encode_batch(["probe"])  # a ModelProto that parses yet holds no model fails only here
+        except (TokenizerError, RuntimeError) as e:
+            why = "sentencepiece cannot parse it" if isinstance(e, TokenizerError) else "it parses but holds no model"
             raise MegatronTokenizerError(
-                f"--tokenizer-model {model}: not a sentencepiece model ({first_line(e).split(' (', 1)[-1][:120]}; "
-                "pass the tokenizer's .model file (a sentencepiece ModelProto)"
+                f"--tokenizer-model {model}: not a sentencepiece model ({why}); pass the tokenizer's .model file "
+                "(a sentencepiece ModelProto)"
             ) from None
         if self._tok.backend not in ("sentencepiece", "gigatoken"):
             raise MegatronTokenizerError(
