@@ -33,6 +33,7 @@ COMMANDS = {
     "bench-io": "corpusforge.cli.bench_io:bench_io_cmd",
     "train": "corpusforge.cli.train:train_cmd",
     "export-hf": "corpusforge.cli.export_hf:export_hf_cmd",
+    "prepare-cache": "corpusforge.cli.prepare_cache:prepare_cache_cmd",
 }
 
 

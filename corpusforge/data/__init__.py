@@ -13,6 +13,7 @@ from corpusforge.data.builder import build_gpt_datasets, read_modes
 from corpusforge.data.cache import CacheMismatchError, IndexCache
 from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from corpusforge.data.loader import Loader, LoaderStateError, PretrainingBatchSampler, make_loader
+from corpusforge.data.prepare_cache import MegatronCacheConfig, prepare_megatron_cache, prepare_train_cache
 from corpusforge.storage import StorageConfig
 
 __all__ = [
@@ -23,10 +24,13 @@ __all__ = [
     "IndexCache",
     "Loader",
     "LoaderStateError",
+    "MegatronCacheConfig",
     "PretrainingBatchSampler",
     "StorageConfig",
     "build_gpt_datasets",
     "make_loader",
     "parse_blend",
+    "prepare_megatron_cache",
+    "prepare_train_cache",
     "read_modes",
 ]

@@ -1,0 +1,508 @@
+"""The loaders' index caches built once, offline: corpusforge's own for a training config, or Megatron-Core's own
+files for Megatron-LM's data arguments, so that a job (thousands of ranks waiting on rank 0) starts by mapping them.
+
+`prepare_train_cache(cfg)` builds what `corpusforge train` builds at start (corpusforge/train/data.py: the same
+sample counts, the same cache directory) and waits until it is durable. `prepare_megatron_cache(config)` writes,
+in `data_cache_path`, the files megatron-core's BlendedMegatronDatasetBuilder looks for, byte for byte:
+
+    {md5}-GPTDataset-{split}-description.txt          json.dumps(unique_identifiers, indent=4)
+    {md5}-GPTDataset-{split}-document_index.npy       int32            (np.save format 1.0)
+    {md5}-GPTDataset-{split}-sample_index.npy         (n + 1, 2) int32 (int64 past 2**31 - 1)
+    {md5}-GPTDataset-{split}-shuffle_index.npy        uint32           (int64 past 2**32 - 2)
+    {md5}-BlendedDataset-{split}-description.txt      the datasets' identifiers, the weights, the size
+    {md5}-BlendedDataset-{split}-dataset_index.npy    int16
+    {md5}-BlendedDataset-{split}-dataset_sample_index.npy  int64
+
+where md5 is of the description's text (megatron_dataset.py: MegatronDataset.__init__; blended_dataset.py). The
+identifiers of a GPTDataset are its class, dataset_path (the prefix as given), num_samples, index_split, then
+random_seed, sequence_length, split (the string as given), split_matrix and the tokenizer's own unique_identifiers
+(MegatronDataset._key_config_attributes): the data itself is not in the hash, so Megatron maps a stale cache for
+changed data. Beside them, `.corpusforge/{base}.json` records the data each entry was built from (sizes and a
+sha256 of the sequence lengths: corpusforge/data/cache.py, describe_dataset); a rerun for changed data is refused
+in one line. megatron-core ignores that folder.
+
+The arrays are corpusforge's own (gpt_dataset.py, blended.py: the same values as megatron-core's, tested against
+it); the sample counts per split follow Megatron-LM (training.py: get_train_valid_test_num_samples, update_train_iters).
+
+Atomic and resumable: every file is written under a temporary name and renamed; the arrays first, then (after one
+syncfs of the file system, or an fsync of each file where syncfs is missing) the descriptions; megatron-core needs
+every file of an entry, so a killed run leaves entries it rebuilds. A rerun writes only the files that are missing.
+
+Example:
+    >>> stats = prepare_megatron_cache(MegatronCacheConfig(data_path=("0.3", "out/a", "0.7", "out/b"),
+    ...     data_cache_path="cache/", seq_length=2048, split="99,1,0", train_samples=100_000,
+    ...     global_batch_size=256, vocab_size=50257))
+    >>> stats.written_files
+    14
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corpusforge.data.blended import BlendedDataset, parse_blend
+from corpusforge.data.cache import CacheMismatchError, describe_dataset, describe_differences, wait_for_index_caches
+from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split
+from corpusforge.errors import ArgumentError
+from corpusforge.fsutil import atomic_write, fsync_dir, fsync_path, remove_leftovers
+
+# ---------------------------------------------------------------------------------------------------------------
+# the configurations
+
+
+@dataclass(frozen=True)
+class MegatronCacheConfig:
+    """Megatron-LM's data arguments, with Megatron-LM's names and meanings (megatron/training/arguments.py)."""
+
+    data_path: tuple[str, ...]
+    """--data-path: one prefix, prefixes (weighted by their lengths), or `weight prefix weight prefix ...`."""
+
+    data_cache_path: str
+    """--data-cache-path: the directory megatron-core reads its index caches from."""
+
+    seq_length: int
+    """--seq-length: tokens per sample."""
+
+    split: str = "969, 30, 1"
+    """--split: train, valid, test proportions; Megatron-LM's default when --data-path is given."""
+
+    seed: int = 1234
+    """--seed: the seed of every shuffle."""
+
+    train_samples: int | None = None
+    """--train-samples: samples to train on (else --train-iters x --global-batch-size)."""
+
+    train_iters: int | None = None
+    """--train-iters: iterations to train for (with --global-batch-size)."""
+
+    global_batch_size: int | None = None
+    """--global-batch-size: samples per iteration; with --eval-iters and --eval-interval it sizes the validation
+    and test splits as Megatron-LM does."""
+
+    eval_iters: int = 100
+    """--eval-iters: iterations per evaluation (validation: every --eval-interval; test: once)."""
+
+    eval_interval: int = 1000
+    """--eval-interval: iterations between evaluations."""
+
+    valid_samples: int | None = None
+    """Validation samples, given directly instead of from --eval-iters and --eval-interval (not a Megatron flag)."""
+
+    test_samples: int | None = None
+    """Test samples, given directly instead of from --eval-iters (not a Megatron flag)."""
+
+    tokenizer_type: str = "NullTokenizer"
+    """--tokenizer-type: part of megatron-core's cache hash. NullTokenizer is computed here; for another type give
+    --tokenizer-identifiers."""
+
+    vocab_size: int | None = None
+    """--vocab-size: NullTokenizer's vocabulary (part of its identifiers)."""
+
+    tokenizer_identifiers: str = ""
+    """The tokenizer's identifiers as megatron-core records them: a JSON object, or a -description.txt that
+    Megatron-LM wrote with this tokenizer (its "tokenizer" object is taken)."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """--mid-level-dataset-surplus: a blend builds each dataset this fraction larger than its share."""
+
+    durable: bool = True
+    """Make the arrays durable (syncfs) before the descriptions that complete the entries are written."""
+
+    def __post_init__(self) -> None:
+        if not self.data_path:
+            raise ArgumentError("--data-path: give at least one dataset prefix; see Megatron-LM's --data-path")
+        if self.seq_length < 1:
+            raise ArgumentError(f"--seq-length {self.seq_length}: must be positive")
+        for name in ("train_samples", "train_iters", "global_batch_size", "valid_samples", "test_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ArgumentError(f"--{name.replace('_', '-')} {value}: must not be negative")
+        if self.eval_interval < 1:
+            raise ArgumentError(f"--eval-interval {self.eval_interval}: must be positive")
+
+
+@dataclass
+class CacheStats:
+    """What prepare-cache did: entries (one per dataset and split, one per blend and split), the files it wrote and
+    found, the samples of each split, seconds."""
+
+    cache_dir: str
+    format: str
+    samples: dict[str, int | None] = field(default_factory=dict)
+    entries: int = 0
+    written_files: int = 0
+    found_files: int = 0
+    written_bytes: int = 0
+    seconds: float = 0.0
+    build_seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Megatron-LM's arithmetic
+
+
+def megatron_num_samples(config: MegatronCacheConfig) -> tuple[int, int, int]:
+    """(train, valid, test) samples as Megatron-LM asks them of the builder (training.py: update_train_iters,
+    get_train_valid_test_num_samples): train = --train-samples or --train-iters x --global-batch-size; valid =
+    (train_iters // eval_interval + 1) x eval_iters x global_batch_size; test = eval_iters x global_batch_size.
+
+    Example:
+        >>> megatron_num_samples(MegatronCacheConfig(("a",), "c", 8, train_iters=10, global_batch_size=4,
+        ...     eval_iters=2, eval_interval=5))
+        (40, 24, 8)
+    """
+    gbs, c = config.global_batch_size, config
+    need_gbs = c.train_samples is None or c.valid_samples is None or c.test_samples is None
+    if need_gbs and not gbs:
+        raise ArgumentError("--global-batch-size: needed to size the splits (or give --train-samples, "
+                            "--valid-samples and --test-samples)")  # fmt: skip
+    if c.train_samples is not None:
+        train = c.train_samples
+        train_iters = c.train_iters if c.train_iters is not None else (train // gbs if gbs else 0)
+    elif c.train_iters is not None:
+        train, train_iters = c.train_iters * gbs, c.train_iters
+    else:
+        raise ArgumentError("--train-samples: give it or --train-iters (Megatron-LM needs one of them)")
+    valid = c.valid_samples
+    if valid is None:
+        valid = (train_iters // c.eval_interval + 1) * c.eval_iters * gbs
+    test = c.test_samples if c.test_samples is not None else c.eval_iters * gbs
+    return train, valid, test
+
+
+def megatron_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Prefixes and weights of --data-path as megatron/core/datasets/utils.py: get_blend_from_list reads them: an
+    even-length list whose every other item is a number is `weight prefix ...`; anything else is prefixes only.
+
+    Example:
+        >>> megatron_blend(["30", "a", "70", "b"])
+        (['a', 'b'], [30.0, 70.0])
+    """
+    items = list(data_path)
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            prefixes, _ = parse_blend([x for p, w in zip(items[1::2], weights) for x in (p.strip(), w)])
+            return prefixes, weights
+    return [p.strip() for p in items], None
+
+
+def megatron_split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """The split's book-ends exactly as megatron-core computes them and records them in its descriptions
+    (blended_megatron_dataset_config.py: convert_split_vector_to_split_matrix; the first book-end starts at the
+    integer 0).
+
+    Example:
+        >>> megatron_split_matrix("99,1")
+        [(0, 0.99), (0.99, 1.0), None]
+    """
+    expansion: list[float] = [0]
+    for w in parse_split(split):
+        expansion.append(expansion[-1] + w)
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(expansion[:-1], expansion[1:])]
+
+
+def tokenizer_identifiers(config: MegatronCacheConfig) -> dict[str, Any]:
+    """The tokenizer's unique_identifiers, which megatron-core puts in every description (and so in the hash).
+
+    NullTokenizer's are computed as megatron-core 0.16 builds them (tokenizers/text/utils/build_tokenizer.py: a
+    DefaultTokenizerText with no path and the vocabulary size as a string); any other tokenizer's are taken from
+    --tokenizer-identifiers (a JSON object, or a -description.txt Megatron-LM wrote with that tokenizer).
+    """
+    given = config.tokenizer_identifiers.strip()
+    if given:
+        text, where = given, "--tokenizer-identifiers"
+        if not given.startswith("{"):
+            where = given
+            try:
+                text = Path(given).read_text()
+            except OSError as e:
+                raise ArgumentError(f"{given}: cannot read it ({e.strerror}); give a JSON object or a "
+                                    "-description.txt file") from None  # fmt: skip
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise ArgumentError(f"{where}: not JSON ({e}); give the tokenizer's identifiers as a JSON object") from None
+        value = value.get("tokenizer", value) if isinstance(value, dict) else value
+        if isinstance(value, dict) and "datasets" in value:  # a BlendedDataset's description: its first dataset's
+            value = value["datasets"][0].get("tokenizer", value)
+        if not isinstance(value, dict) or "class" not in value:
+            raise ArgumentError(f"{where}: no tokenizer identifiers (an object with a \"class\"); copy the "
+                                "\"tokenizer\" object of a -description.txt Megatron-LM wrote")  # fmt: skip
+        return value
+    if config.tokenizer_type != "NullTokenizer":
+        raise ArgumentError(
+            f"--tokenizer-type {config.tokenizer_type}: its identifiers are part of megatron-core's cache names; "
+            'give --tokenizer-identifiers (the "tokenizer" object of a -description.txt Megatron-LM wrote)'
+        )
+    ids: dict[str, Any] = {"class": "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText",
+                           "tokenizer_path": None}  # fmt: skip
+    if config.vocab_size:
+        ids["vocab_size"] = str(config.vocab_size)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# entries
+
+
+@dataclass
+class _Entry:
+    """One of megatron-core's cache entries: its file-name base, its description, and how to get its arrays."""
+
+    base: str
+    description: str
+    arrays: Callable[[], dict[str, np.ndarray]]
+    data: dict[str, Any] | None  # the data it was built from (GPTDataset entries)
+
+
+def _identifiers_text(identifiers: dict[str, Any]) -> tuple[str, str]:
+    text = json.dumps(identifiers, indent=4)
+    return text, hashlib.md5(text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def _entries(
+    config: MegatronCacheConfig, sizes: Sequence[int], datasets: Sequence[Any], prefixes: list[str]
+) -> list[_Entry]:
+    """The entries of the datasets build_gpt_datasets returned, named and described as megatron-core does."""
+    common = {
+        "random_seed": config.seed,
+        "sequence_length": config.seq_length,
+        "split": config.split,
+        "split_matrix": megatron_split_matrix(config.split),
+        "tokenizer": tokenizer_identifiers(config),
+    }
+    out: list[_Entry] = []
+    for dataset in datasets:
+        if dataset is None:
+            continue
+        blended = isinstance(dataset, BlendedDataset)
+        parts: list[GPTDataset] = dataset.datasets if blended else [dataset]
+        identifiers = []
+        for d, part in enumerate(parts):
+            ids = {"class": "GPTDataset", "dataset_path": prefixes[d], "num_samples": part.num_samples,
+                   "index_split": part.split, **common}  # fmt: skip
+            identifiers.append(ids)
+            text, md5 = _identifiers_text(ids)
+            arrays = functools.partial(_gpt_arrays, part)
+            data = {"dataset_path": prefixes[d], "data": describe_dataset(part.indexed)}
+            out.append(_Entry(f"{md5}-GPTDataset-{part.split}", text, arrays, data))
+        if blended:
+            ids = {"class": "BlendedDataset", "datasets": identifiers, "split": dataset.split,
+                   "weights": dataset.weights, "size": dataset.size}  # fmt: skip
+            text, md5 = _identifiers_text(ids)
+            arrays = functools.partial(_blend_arrays, dataset)
+            out.append(_Entry(f"{md5}-BlendedDataset-{dataset.split}", text, arrays, None))
+    return out
+
+
+def _gpt_arrays(part: GPTDataset) -> dict[str, np.ndarray]:
+    return {"document_index": part.document_index, "sample_index": part.sample_index,
+            "shuffle_index": part.shuffle_index}  # fmt: skip
+
+
+def _blend_arrays(blend: BlendedDataset) -> dict[str, np.ndarray]:
+    return {"dataset_index": blend.dataset_index, "dataset_sample_index": blend.dataset_sample_index}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the commands' library functions
+
+
+def prepare_megatron_cache(
+    config: MegatronCacheConfig, progress: Callable[[str, int, int], None] | None = None
+) -> CacheStats:
+    """Write megatron-core's index caches for Megatron-LM's data arguments into config.data_cache_path (see the
+    module docstring); `progress(stage, done, total)` is called as entries are written.
+
+    Example:
+        >>> prepare_megatron_cache(MegatronCacheConfig(("out/a_text_document",), "cache/", 2048, split="99,1,0",
+        ...     train_samples=1000, valid_samples=10, test_samples=0, vocab_size=50257)).written_files
+        8
+    """
+    from corpusforge.data.builder import build_gpt_datasets
+
+    t0 = time.perf_counter()
+    sizes = megatron_num_samples(config)
+    prefixes, weights = megatron_blend(config.data_path)
+    tokenizer_identifiers(config)  # a bad --tokenizer-identifiers before any work
+    blend: list[Any] = prefixes if weights is None else [x for p, w in zip(prefixes, weights) for x in (p, w)]
+    if len(prefixes) == 1 and weights is None:
+        blend = prefixes[0]
+    # In memory (no cache_dir): the arrays, then written in megatron-core's names below.
+    datasets = build_gpt_datasets(
+        blend, config.seq_length, config.split, config.seed, sizes, None,
+        mid_level_dataset_surplus=config.mid_level_dataset_surplus,
+    )  # fmt: skip
+    built = time.perf_counter() - t0
+    entries = _entries(config, sizes, datasets, prefixes)
+    stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)), len(entries))
+    write_entries(Path(config.data_cache_path), entries, stats, config.durable, progress)
+    stats.build_seconds = round(built, 3)
+    stats.seconds = round(time.perf_counter() - t0, 3)
+    return stats
+
+
+_ARRAY_NAMES = {
+    "GPTDataset": ("document_index", "sample_index", "shuffle_index"),
+    "BlendedDataset": ("dataset_index", "dataset_sample_index"),
+}
+
+
+def write_entries(
+    directory: Path,
+    entries: list[_Entry],
+    stats: CacheStats,
+    durable: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> None:
+    """Write the missing files of `entries`: arrays, then (durable) a syncfs, then the descriptions, then a syncfs
+    again; an entry built for other data than today's is refused before anything is written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(directory)  # the temporaries of a killed run
+    sidecars = directory / ".corpusforge"
+    names = set(os.listdir(directory))  # one listing, not 10,000 stats
+    known = set(os.listdir(sidecars)) if sidecars.is_dir() else set()
+    for entry in entries:
+        if entry.data is not None and f"{entry.base}.json" in known and f"{entry.base}-description.txt" in names:
+            _check_data(sidecars / f"{entry.base}.json", entry, directory)
+    sidecars.mkdir(exist_ok=True)
+    written: list[Path] = []
+    descriptions: list[tuple[Path, str]] = []
+    for k, entry in enumerate(entries):
+        kind = entry.base.split("-")[1]
+        wanted = [f"{entry.base}-{name}.npy" for name in _ARRAY_NAMES[kind]]
+        desc = f"{entry.base}-description.txt"
+        missing = [n for n in wanted if n not in names]
+        stats.found_files += len(wanted) - len(missing) + (desc in names and not missing)
+        if missing:
+            arrays = entry.arrays()
+            for name in missing:
+                path = directory / name
+                with atomic_write(path, durable=False) as f:
+                    _save_npy(f, arrays[name[len(entry.base) + 1 : -4]])
+                written.append(path)
+        if desc not in names or missing:
+            descriptions.append((directory / desc, entry.description))
+        if entry.data is not None and f"{entry.base}.json" not in known:
+            with atomic_write(sidecars / f"{entry.base}.json", "w", durable=False) as f:
+                f.write(json.dumps(entry.data, indent=1, sort_keys=True))
+            written.append(sidecars / f"{entry.base}.json")
+        if progress is not None:
+            progress("arrays", k + 1, len(entries))
+    if durable and written:
+        _sync(directory, written)
+    for path, text in descriptions:  # last: an entry is complete for megatron-core once its description exists
+        if path.exists():
+            path.unlink()  # its arrays were rewritten: it stops counting as complete first
+        with atomic_write(path, "w", durable=False) as f:
+            f.write(text)
+        written.append(path)
+    if durable and descriptions:
+        _sync(directory, [p for p, _ in descriptions])
+    stats.written_files = len([p for p in written if p.parent == directory])
+    stats.written_bytes = sum(p.stat().st_size for p in written if p.parent == directory)
+
+
+def _save_npy(f: Any, array: np.ndarray) -> None:
+    """np.save(f, array) as megatron-core calls it: the 1.0 header, then the array's bytes (one write)."""
+    array = np.ascontiguousarray(array)
+    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+    f.write(memoryview(array.reshape(-1).view(np.uint8)))
+
+
+def _check_data(sidecar: Path, entry: _Entry, directory: Path) -> None:
+    """Refuse an entry whose recorded data differs from today's: megatron-core would map its stale indices."""
+    try:
+        recorded = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return  # an unreadable record: the arrays are rebuilt only if missing, as megatron-core would
+    if recorded != json.loads(json.dumps(entry.data)):
+        diff = "; ".join(describe_differences(entry.data or {}, recorded)) or "(unknown)"
+        raise CacheMismatchError(
+            f"{directory / entry.base}-description.txt: written for other data ({diff}); megatron-core would use "
+            f"its stale indices. Delete the files {entry.base}-* (and .corpusforge/{entry.base}.json) or point "
+            "--data-cache-path elsewhere"
+        )
+
+
+def _sync(directory: Path, paths: list[Path]) -> None:
+    """Make `paths` and their directories durable: one syncfs(2) of the file system (one journal commit for
+    thousands of small files), else an fsync of each in a few threads."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        if _syncfs(fd):
+            return
+    finally:
+        os.close(fd)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(fsync_path, paths))
+    for parent in {p.parent for p in paths}:
+        fsync_dir(parent)
+
+
+def _syncfs(fd: int) -> bool:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs(fd) == 0
+    return False
+
+
+def prepare_train_cache(cfg: Any, dp_size: int = 1) -> CacheStats:
+    """Build the index caches `corpusforge train` with config `cfg` maps at start, where it would put them (data.
+    cache_dir, else {out_dir}/index-cache), for `dp_size` data-parallel ranks (the validation split holds
+    eval_batches x micro_batch_size x dp samples): the sample counts of corpusforge/train/data.py: build_data.
+
+    Example:
+        >>> prepare_train_cache(load_config("configs/tiny-cpu.toml")).written_files
+        9
+    """
+    from corpusforge.data.builder import build_gpt_datasets
+
+    t0 = time.perf_counter()
+    if not cfg.data.path or cfg.data.source == "synthetic" or cfg.family == "retro":
+        raise ArgumentError("data.path: this config reads no token datasets (synthetic data or RETRO); nothing "
+                            "to prepare")  # fmt: skip
+    samples_per_step = cfg.schedule.global_batch_tokens // cfg.model.seq_length
+    train = cfg.schedule.max_steps * samples_per_step
+    valid = cfg.metrics.eval_batches * cfg.schedule.micro_batch_size * dp_size if cfg.metrics.eval_interval else 0
+    cache_dir = Path(cfg.data.cache_dir or Path(cfg.out_dir) / "index-cache")
+    before = _listing(cache_dir)
+    build_gpt_datasets(cfg.data.path, seq_length=cfg.model.seq_length, split=cfg.data.split, seed=cfg.seed,
+                       num_samples=(train, valid, 0), cache_dir=cache_dir, storage=cfg.storage)  # fmt: skip
+    wait_for_index_caches()
+    after = _listing(cache_dir)
+    new = [n for n in after if n not in before and not n.endswith(".lock")]
+    stats = CacheStats(str(cache_dir), "corpusforge", {"train": train, "valid": valid, "test": 0})
+    stats.entries = sum(n.endswith("-description.json") for n in after)
+    stats.written_files = len(new)
+    stats.found_files = len([n for n in after if n in before and not n.endswith(".lock")])
+    stats.written_bytes = sum(after[n] for n in new)
+    stats.seconds = stats.build_seconds = round(time.perf_counter() - t0, 3)
+    return stats
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    if not directory.is_dir():
+        return {}
+    return {e.name: e.stat().st_size for e in os.scandir(directory) if e.is_file()}

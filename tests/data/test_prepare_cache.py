@@ -1,0 +1,196 @@
+"""prepare-cache: the index caches built offline. With --megatron, megatron-core's own files, byte for byte: its
+BlendedMegatronDatasetBuilder pointed at them finds every file and writes none. With --config, the trainer's own
+dataset build afterwards finds every entry and writes none."""
+
+from __future__ import annotations
+
+import json
+import os
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from loader_data import write_dataset
+
+from corpusforge.data.cache import CacheMismatchError
+from corpusforge.data.prepare_cache import (
+    MegatronCacheConfig,
+    megatron_num_samples,
+    megatron_split_matrix,
+    prepare_megatron_cache,
+    prepare_train_cache,
+)
+
+VOCAB = 1000
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("prepare")
+    return [
+        write_dataset(root / "a_text_document", 300, seed=11, empty_every=41),
+        write_dataset(root / "b_text_document", 200, seed=12, max_len=150, dtype=np.int32),
+        write_dataset(root / "c_text_document", 120, seed=13, max_len=500),
+    ]
+
+
+def state(directory: Path) -> dict[str, tuple[int, int]]:
+    """name -> (size, mtime_ns) of every file in `directory` (not below it)."""
+    return {e.name: (e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory) if e.is_file()}
+
+
+def megatron_build(data_path: list[str], split: str, seq_length: int, seed: int, sizes, cache: Path):
+    """megatron-core's own builder, with Megatron-LM's NullTokenizer, blend read as Megatron-LM reads --data-path."""
+    import torch.distributed
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+    torch.distributed.get_rank = lambda *a, **k: 0  # its BlendedDataset asks even without a process group
+    tokenizer = build_tokenizer(Namespace(tokenizer_type="NullTokenizer", vocab_size=VOCAB, tokenizer_metadata=None))
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(data_path), split=split,
+        path_to_cache=str(cache), tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False,
+    )  # fmt: skip
+    return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+
+
+CASES = {
+    "one dataset": (lambda s: [s[0]], "90,7,3", 64),
+    "weighted blend": (lambda s: ["0.5", s[0], "0.3", s[1], "0.2", s[2]], "80,15,5", 32),
+    "blend by lengths": (lambda s: list(s), "70,20,10", 48),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_finds_every_file_and_writes_none(tmp_path, sets, case):
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    paths, split, seq = CASES[case]
+    data_path = paths(sets)
+    config = MegatronCacheConfig(tuple(data_path), str(tmp_path / "ours"), seq, split=split, seed=77,
+                                 train_iters=30, global_batch_size=8, eval_iters=2, eval_interval=10,
+                                 vocab_size=VOCAB)  # fmt: skip
+    sizes = megatron_num_samples(config)
+    assert sizes == (240, 64, 16)
+    stats = prepare_megatron_cache(config)
+    ours = tmp_path / "ours"
+    before = state(ours)
+    megatron_files = sorted(n for n in before if not n.startswith("."))
+    assert stats.written_files == len(megatron_files)
+    datasets = megatron_build(data_path, split, seq, 77, sizes, ours)
+    assert state(ours) == before  # found every file, wrote none, touched none
+    # and the same bytes as the files megatron-core writes itself for the same arguments
+    megatron_build(data_path, split, seq, 77, sizes, tmp_path / "theirs")
+    theirs = sorted(os.listdir(tmp_path / "theirs"))
+    assert megatron_files == theirs
+    for name in theirs:
+        assert (ours / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
+    kinds = {n.split("-")[1] for n in theirs}
+    assert kinds == ({"GPTDataset"} if case == "one dataset" else {"GPTDataset", "BlendedDataset"})
+    assert len([d for d in datasets if d is not None]) == 3
+
+
+def test_megatron_rerun_writes_only_what_is_missing(tmp_path, sets):
+    config = MegatronCacheConfig((sets[0], sets[1]), str(tmp_path), 32, split="80,20", train_samples=100,
+                                 valid_samples=10, test_samples=0, vocab_size=VOCAB)  # fmt: skip
+    first = prepare_megatron_cache(config)
+    files = sorted(p for p in os.listdir(tmp_path) if p.endswith(".npy"))
+    before = state(tmp_path)
+    victim = files[3]
+    (tmp_path / victim).unlink()
+    (tmp_path / (victim.rsplit("-", 2)[0] + "-x.npy.123.abcd.tmp")).write_bytes(b"partial")  # a killed write
+    again = prepare_megatron_cache(config)
+    after = state(tmp_path)
+    assert sorted(after) == sorted(before)  # the leftover is gone, the victim is back
+    assert (tmp_path / victim).stat().st_size == before[victim][0]
+    changed = {n for n in after if after[n] != before[n]}
+    assert victim in changed and len(changed) == 2  # the array and its entry's description
+    assert again.written_files == 2 and first.written_files == again.written_files + again.found_files
+
+
+def test_megatron_refuses_changed_data(tmp_path, sets):
+    prefix = write_dataset(tmp_path / "d_text_document", 100, seed=5)
+    config = MegatronCacheConfig((prefix,), str(tmp_path / "cache"), 32, split="1", train_samples=50,
+                                 valid_samples=0, test_samples=0, vocab_size=VOCAB)  # fmt: skip
+    prepare_megatron_cache(config)
+    write_dataset(tmp_path / "d_text_document", 100, seed=6)  # same name, other documents
+    with pytest.raises(CacheMismatchError) as e:
+        prepare_megatron_cache(config)
+    line = str(e.value)
+    assert "\n" not in line and "written for other data" in line and "--data-cache-path" in line
+
+
+def test_megatron_split_matrix_and_samples_as_megatron():
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    for split in ("969, 30, 1", "99,1", "1", "70,20,10", "0,1,0", "33,33,34"):
+        assert megatron_split_matrix(split) == convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    # training.py: train_samples given -> train_iters = train_samples // global_batch_size
+    config = MegatronCacheConfig(("a",), "c", 8, train_samples=1000, global_batch_size=16, eval_iters=3,
+                                 eval_interval=20)  # fmt: skip
+    assert megatron_num_samples(config) == (1000, (62 // 20 + 1) * 3 * 16, 48)
+
+
+def test_cli_megatron_json_and_one_line_errors(tmp_path, sets):
+    from corpusforge.cli import main
+
+    runner = CliRunner()
+    args = ["prepare-cache", "--megatron", "--data-path", "0.6", sets[0], "0.4", sets[2], "--split", "90,10,0",
+            "--seq-length", "32", "--seed", "3", "--train-samples", "200", "--global-batch-size", "4",
+            "--eval-iters", "2", "--eval-interval", "10", "--vocab-size", str(VOCAB),
+            "--data-cache-path", str(tmp_path / "c"), "--json"]  # fmt: skip
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (
+        summary["samples"] == {"train": 200, "valid": (50 // 10 + 1) * 2 * 4, "test": 8}
+        and summary["written_files"] > 0
+    )
+    again = json.loads(runner.invoke(main, args).stdout)
+    assert again["written_files"] == 0 and again["found_files"] == summary["written_files"]
+    bad = runner.invoke(main, ["prepare-cache", "--megatron", "--data-path", sets[0], "--seq-length", "32",
+                               "--data-cache-path", str(tmp_path / "c")])  # fmt: skip
+    assert bad.exit_code == 1
+    assert bad.stderr.count("\n") == 1 and "--global-batch-size" in bad.stderr
+    neither = runner.invoke(main, ["prepare-cache"])
+    assert neither.exit_code != 0 and "--config" in neither.stderr
+
+
+def test_config_cache_is_what_the_trainer_maps(tmp_path, sets):
+    """After prepare-cache --config, the trainer's own dataset build (train/data.py) finds every entry: no file is
+    written, none is touched."""
+    pytest.importorskip("torch")
+    from corpusforge.cli import main
+    from corpusforge.data.cache import wait_for_index_caches
+    from corpusforge.train.config import load_config
+    from corpusforge.train.data import build_data
+
+    config = tmp_path / "run.toml"
+    blend = json.dumps([sets[0], 0.7, sets[2], 0.3])
+    config.write_text(
+        f'out_dir = "{tmp_path / "run"}"\n[model]\nseq_length = 32\nvocab_size = {VOCAB}\n'
+        f'[data]\npath = {blend}\nsplit = "90,10,0"\n'
+        "[schedule]\nmicro_batch_size = 2\nglobal_batch_tokens = 128\nmax_steps = 20\n"
+    )
+    overrides = ["metrics.eval_interval=5", "metrics.eval_batches=2"]
+    result = CliRunner().invoke(main, ["prepare-cache", "--config", str(config), *overrides, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    cache = Path(summary["cache_dir"])
+    assert cache == tmp_path / "run" / "index-cache" and summary["written_files"] > 0
+    before = state(cache)
+    cfg = load_config(str(config), overrides)
+    data = build_data(cfg, rank=0, world_size=1)
+    wait_for_index_caches()
+    assert state(cache) == before  # every entry found: nothing written, nothing rewritten
+    assert not data.train.dataset.built if hasattr(data.train, "dataset") else True
+    second = prepare_train_cache(cfg)
+    assert second.written_files == 0 and second.found_files == summary["written_files"]
