@@ -10,7 +10,7 @@ import click
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options
 from corpusforge.cli.types import COUNT, CountList, Seconds, Size, SizeList
-from corpusforge.iobench.config import PATTERNS, BenchConfig, BenchConfigError
+from corpusforge.iobench.config import MLPERF_MODELS, PATTERNS, BenchConfig, BenchConfigError
 
 
 def _options(pairs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -40,6 +40,12 @@ BENCH_OPTIONS = config_options(
     Opt("duration", type=Seconds(positive=True)),
     Opt("metadata_files", type=COUNT),
     Opt("checkpoint_size", type=Size(minimum=1)),
+    Opt("mlperf", choices=tuple(MLPERF_MODELS),
+        help="The checkpoint pattern as MLPerf Storage v2.0's checkpointing workload of this model (its ranks, "
+        "files, fsync, N writes, cache dropped, N reads; duration the max over ranks, throughput the min)."),
+    Opt("scale", type=float, extra={"metavar": "F"}),
+    Opt("mlperf_processes", type=click.IntRange(min=0)),
+    Opt("mlperf_checkpoints", type=COUNT),
     Opt("dataset", help="Token dataset PREFIX (or s3://...) for replay/train [default: a synthetic one]."),
     Opt("synthetic_tokens", type=Size(minimum=1)),
     Opt("seq_length", type=COUNT),

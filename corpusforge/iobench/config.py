@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from corpusforge.errors import CorpusforgeError
+from corpusforge.iobench.mlperf import MODELS as MLPERF_MODELS
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -29,7 +30,8 @@ class BenchConfig:
     """Patterns to run, in order; see PATTERNS."""
 
     block_sizes: tuple[int, ...] = (MiB,)
-    """Request sizes of seq-read and seq-write, in bytes; several values sweep (4 KiB to 16 MiB is the useful range)."""
+    """Request sizes of seq-read and seq-write, in bytes; several values sweep (4 KiB to 16 MiB is the useful range).
+    The first is also the request size of --mlperf checkpoint writes and reads."""
 
     procs: tuple[int, ...] = (1,)
     """Processes per rank running each pattern at once; several values sweep."""
@@ -66,6 +68,21 @@ class BenchConfig:
 
     checkpoint_hidden: int = 1024
     """Hidden size of the transformer whose layer shapes the checkpoint tensors take ((h, 3h), (h, h), (h, 4h), ...)."""
+
+    mlperf: str | None = None
+    """The checkpoint pattern as MLPerf Storage v2.0's checkpointing workload for this model (llama3-8b, llama3-70b,
+    llama3-405b, llama3-1t): its ranks and the files each writes (iobench/mlperf.py), fsync on every file, N
+    checkpoints written, page cache dropped, N read; duration the maximum over ranks, throughput the minimum."""
+
+    scale: float = 1.0
+    """With --mlperf: the fraction of the rules' checkpoint sizes written (0 < F <= 1), to fit a test machine."""
+
+    mlperf_processes: int = 0
+    """With --mlperf: processes writing, 0 for the rules' count (8, 64, 512, 1024); fewer is MLPerf's subset mode
+    (ranks 0..N-1 of the full layout, as `mlpstorage checkpointing --num-processes 8` on one host)."""
+
+    mlperf_checkpoints: int = 10
+    """With --mlperf: checkpoints written, then read back (the rules' num_checkpoints_write/read: 10)."""
 
     dataset: str | None = None
     """Token dataset prefix (PREFIX.bin/.idx) for replay and train; None: a synthetic one is written on the path."""
@@ -139,8 +156,38 @@ class BenchConfig:
             problems.append(f"target utilisation {self.target_utilization} must be in (0, 1]")
         if self.steps < 2 and ("train" in self.patterns or "replay" in self.patterns):
             problems.append("steps must be at least 2 (the first step is excluded from the figures)")
+        problems += self._mlperf_problems()
         if problems:
             raise BenchConfigError("; ".join(problems))
+
+    def _mlperf_problems(self) -> list[str]:
+        """The --mlperf options, each problem as `option: what is wrong; the fix`."""
+        if self.mlperf is None:
+            return (
+                [] if self.scale == 1.0 else [f"--scale {self.scale:g}: applies to --mlperf only; add --mlperf MODEL"]
+            )
+        if self.mlperf not in MLPERF_MODELS:
+            return [f"--mlperf {self.mlperf}: unknown model; choose {', '.join(MLPERF_MODELS)}"]
+        problems = []
+        if not 0 < self.scale <= 1:
+            problems.append(
+                f"--scale {self.scale:g}: not a fraction of the checkpoint size; give 0 < F <= 1 (e.g. 0.001)"
+            )
+        ranks = MLPERF_MODELS[self.mlperf].ranks
+        if not 0 <= self.mlperf_processes <= ranks:
+            problems.append(
+                f"--mlperf-processes {self.mlperf_processes}: {self.mlperf} has {ranks} ranks; give 1..{ranks}, "
+                "or 0 for all"
+            )
+        if self.mlperf_checkpoints < 1:
+            problems.append(f"--mlperf-checkpoints {self.mlperf_checkpoints}: give at least 1 (the rules: 10)")
+        if "checkpoint" not in self.patterns:
+            problems.append(f"--mlperf {self.mlperf}: drives the checkpoint pattern; add --pattern checkpoint")
+        return problems
+
+    def mlperf_slots(self) -> int:
+        """Processes (over all ranks) of the --mlperf checkpoint workload."""
+        return self.mlperf_processes or MLPERF_MODELS[self.mlperf].ranks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,9 +198,15 @@ class BenchConfig:
         reads = self.file_size * slots if {"seq-read", "rand-read"} & set(self.patterns) else 0
         passing = {
             "seq-write": self.file_size * slots,
-            "checkpoint": self.checkpoint_size * slots,
+            "checkpoint": self._checkpoint_bytes(slots),
             "metadata": self.metadata_files * max(self.metadata_file_size, 4 * KiB) * slots,
         }
         transient = max((n for p, n in passing.items() if p in self.patterns), default=0)
         loader = {"replay", "train"} & set(self.patterns) and self.dataset is None
         return reads + transient + (2 * self.synthetic_tokens + 16 * MiB if loader else 0)
+
+    def _checkpoint_bytes(self, slots: int) -> int:
+        if self.mlperf is None:
+            return self.checkpoint_size * slots
+        model = MLPERF_MODELS[self.mlperf]
+        return model.total_bytes(self.scale, self.mlperf_slots()) * self.mlperf_checkpoints

@@ -25,6 +25,7 @@ import numpy as np
 
 from corpusforge.errors import MissingExtraError
 from corpusforge.fsutil import is_url
+from corpusforge.iobench import mlperf
 from corpusforge.iobench.config import BenchConfig
 from corpusforge.storage.pagecache import drop_page_cache
 
@@ -65,13 +66,19 @@ class Phase:
 
 
 class Beat:
-    """The worker's side of the watchdog: which phase it is in and when its current op started (0: idle)."""
+    """The worker's side of the watchdog: which phase it is in and when its current op started (0: idle); and the
+    barrier of the case's processes on this rank, for patterns that start their steps together."""
 
-    def __init__(self, times, phases, slot: int) -> None:
-        self.times, self.phases, self.local = times, phases, slot
+    def __init__(self, times, phases, slot: int, barrier=None) -> None:
+        self.times, self.phases, self.local, self.barrier = times, phases, slot, barrier
 
     def phase(self, code: int) -> None:
         self.phases[self.local] = code
+
+    def sync(self) -> None:
+        """Wait for the case's other processes on this rank (idle for the watchdog: a hung peer is its verdict)."""
+        if self.barrier is not None:
+            self.barrier.wait()
 
 
 PHASE_CODES = ["prepare", "read", "write", "fsync", "create", "stat", "open", "delete", "step", "cleanup"]
@@ -316,8 +323,11 @@ def checkpoint_shapes(total_bytes: int, hidden: int, itemsize: int = 4) -> list[
 
 
 def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
-    """Write the tensors of one rank's shard, fsync (the time until durable), evict, read back and compare."""
+    """Write the tensors of one rank's shard, fsync (the time until durable), evict, read back and compare.
+    With `mlperf`: MLPerf Storage's checkpointing workload instead (measure_mlperf_checkpoints)."""
     c = case.config
+    if c.mlperf:
+        return measure_mlperf_checkpoints(case, slot, beat)
     shapes = checkpoint_shapes(c.checkpoint_size, c.checkpoint_hidden)
     rng = np.random.default_rng(c.seed + slot)
     tensors = [np.frombuffer(rng.bytes(r * k * 4), dtype=np.float32).reshape(r, k) for r, k in shapes]
@@ -350,6 +360,95 @@ def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     for p in (write, sync, read):
         p.ops = len(p.latencies)
     return [write, sync, read]
+
+
+def _write_file(path: str, size: int, view: memoryview, phase: Phase, beat: Beat) -> None:
+    """`size` bytes of `view` over and over in requests of len(view), then fsync (timed as one more op)."""
+    lat, times, me, bs = phase.latencies, beat.times, beat.local, len(view)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, size, bs):
+            t0 = time.perf_counter()
+            times[me] = t0
+            phase.bytes += os.pwrite(fd, view[: min(bs, size - off)], off)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        times[me] = t0
+        os.fsync(fd)
+        lat.append(time.perf_counter() - t0)
+    finally:
+        times[me] = 0.0
+        os.close(fd)
+
+
+def _read_file(path: str, size: int, buf: mmap.mmap, expect: memoryview, phase: Phase, beat: Beat) -> None:
+    """Read `path` whole in requests of len(buf) (buffered, readahead doubled, as fio's fadvise_hint); its last
+    request must hold what was written there."""
+    lat, times, me, bs = phase.latencies, beat.times, beat.local, len(expect)
+    view = memoryview(buf)[:bs]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        n = 0
+        for off in range(0, size, bs):
+            t0 = time.perf_counter()
+            times[me] = t0
+            n = os.preadv(fd, [view[: min(bs, size - off)]], off)
+            lat.append(time.perf_counter() - t0)
+            phase.bytes += n
+    finally:
+        times[me] = 0.0
+        os.close(fd)
+    if phase.bytes and view[:n] != expect[:n]:
+        raise OSError(f"{path}: the checkpoint read back differs from what was written")
+
+
+def mlperf_folder(case: Case, index: int) -> str:
+    """Checkpoint `index` (0-based), named as DLIO names it."""
+    return os.path.join(case.scratch, f"global_epoch1_step{index + 1}")
+
+
+def _checkpoint_phase(name: str, index: int, beat: Beat, files, each: Callable[[str, int, Phase], None]) -> Phase:
+    """One checkpoint of one rank: every process starts it together (DLIO's barrier), the span is this rank's."""
+    phase = Phase(name, extra={"checkpoint": index})
+    beat.sync()
+    beat.phase(_code(name))
+    phase.start = time.perf_counter()
+    for path, size in files:
+        each(path, size, phase)
+    phase.end = time.perf_counter()
+    phase.ops = len(phase.latencies)
+    return phase
+
+
+def measure_mlperf_checkpoints(case: Case, slot: int, beat: Beat) -> list[Phase]:
+    """MLPerf Storage v2.0's checkpointing (iobench/mlperf.py): this slot is rank `slot` of the model's layout and
+    writes its files of `mlperf_checkpoints` checkpoints, each file fsynced; then the page cache is dropped and
+    the checkpoints are read back in the same order. One phase per checkpoint, write and read."""
+    c = case.config
+    bs = case.block_size
+    files = mlperf.MODELS[c.mlperf].rank_files(slot, c.scale)
+    buf = aligned_buffer(bs, fill_seed=c.seed + slot)
+    data = memoryview(buf)[:bs]
+    per_ckpt = []
+    for i in range(c.mlperf_checkpoints):
+        folder = mlperf_folder(case, i)
+        os.makedirs(folder, exist_ok=True)
+        per_ckpt.append([(os.path.join(folder, f"{name}.pt"), size) for name, size in files])
+    phases = [
+        _checkpoint_phase("write", i, beat, per_ckpt[i], lambda p, n, ph: _write_file(p, n, data, ph, beat))
+        for i in range(c.mlperf_checkpoints)
+    ]
+    beat.sync()  # the rules: every write done, then the cache cleared, then the reads
+    if c.drop_cache:
+        for path, _ in (f for ckpt in per_ckpt for f in ckpt):
+            drop_page_cache(path)
+    into = aligned_buffer(bs)
+    phases += [
+        _checkpoint_phase("read", i, beat, per_ckpt[i], lambda p, n, ph: _read_file(p, n, into, data, ph, beat))
+        for i in range(c.mlperf_checkpoints)
+    ]
+    return phases
 
 
 # -- replay and train: the real loader ---------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ def rate(r: CaseResult) -> str:
     text = f"{r.mb_s:,.1f} MB/s"
     if r.pattern == "rand-read":
         text += f" {r.iops:,.0f} IOPS"
+    if r.pattern == "checkpoint" and "model" in r.extra:  # MLPerf: means over the checkpoints
+        return f"{r.mb_s:,.1f} MB/s min-rank, {r.seconds:.2f} s max-rank, x{r.extra['checkpoints']}"
     if r.pattern == "checkpoint" and r.phase == "write" and "durable_s" in r.extra:
         text += f" durable {r.extra['durable_s']:.2f} s"
     return text

@@ -105,6 +105,8 @@ def check_path(path: str, config: BenchConfig, world: int) -> None:
     """Raise BenchError for a path the run cannot use, before anything is written there."""
     if config.dataset and {"replay", "train"} & set(config.patterns):
         check_dataset(config.dataset, config.storage_options)
+    if is_url(path) and config.mlperf and "checkpoint" in config.patterns:
+        raise BenchError(f"{path}: --mlperf writes and fsyncs files; give a directory on a mount, not a URL")
     if is_url(path):
         return
     try:
@@ -190,7 +192,7 @@ def _worker(case: patterns.Case, local: int, slot: int, times, phase_codes, barr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     die_with_parent()  # a SIGKILLed bench-io leaves no worker hammering the storage
     guard.detach_output()
-    beat = patterns.Beat(times, phase_codes, local)
+    beat = patterns.Beat(times, phase_codes, local, barrier)
     if is_url(case.root):
         from corpusforge.iobench import objstore as table
     else:
@@ -292,6 +294,8 @@ def cache_note(info: PathInfo, case: patterns.Case) -> str:
         what = "fadvise DONTNEED on .bin" if c.drop_cache else "warm page cache"
     elif case.pattern == "seq-write":
         what = "O_DIRECT" if case.direct else "buffered + fsync (timed)"
+    elif case.pattern == "checkpoint" and c.mlperf:
+        what = "buffered, fsync per file" + (", fadvise DONTNEED before the reads" if c.drop_cache else ", warm reads")
     elif case.direct:
         what = "O_DIRECT"
     else:
@@ -403,6 +407,8 @@ class Run(RunResults):
 
     def _cases(self, path: str, run_dir: str, info: PathInfo, pattern: str) -> list[patterns.Case]:
         c = self.config
+        if pattern == "checkpoint" and c.mlperf:
+            return [self._mlperf_case(run_dir)]
         sizes = c.block_sizes if pattern in ("seq-read", "seq-write") else (c.sample_size,)
         cases = []
         for procs in c.procs:
@@ -411,6 +417,19 @@ class Run(RunResults):
                 scratch = os.path.join(run_dir, f"case-{len(self.results)}-{len(cases)}")
                 cases.append(patterns.Case(pattern, run_dir, scratch, procs, self.ranks.world, bs, direct, c))
         return cases
+
+    def _mlperf_case(self, run_dir: str) -> patterns.Case:
+        """One case: the model's ranks (or the subset asked for) spread over bench-io's ranks, the first block size
+        as the request size."""
+        c, world = self.config, self.ranks.world
+        slots = c.mlperf_slots()
+        if slots % world:
+            raise BenchError(
+                f"--mlperf {c.mlperf}: {slots} processes do not divide over {world} ranks; "
+                f"give --mlperf-processes a multiple of {world}"
+            )
+        scratch = os.path.join(run_dir, f"case-{len(self.results)}-0")
+        return patterns.Case("checkpoint", run_dir, scratch, slots // world, world, c.block_sizes[0], False, c)
 
     def run_pattern(self, path: str, run_dir: str, info: PathInfo, pattern: str) -> bool:
         """Run every case of `pattern`; False when the path failed and its remaining patterns are skipped."""

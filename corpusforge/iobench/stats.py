@@ -118,6 +118,36 @@ def _merge(case: Case, path: str, name: str, per_rank: list[list[Phase]], cache:
     )
 
 
+def _merge_checkpoints(case: Case, path: str, name: str, per_rank: list[list[Phase]], cache: str) -> CaseResult:
+    """MLPerf Storage's checkpoint metric over the phases of every process (one per checkpoint each): per
+    checkpoint, the duration is the maximum over ranks of each one's own span, the throughput the minimum over
+    ranks, i.e. the whole checkpoint's bytes over that maximum (DLIO's statscounter); the row has their means over
+    the checkpoints (what a submission reports), and every checkpoint's figures in `extra`."""
+    phases = [p for ps in per_rank for p in ps]
+    n = 1 + max(p.extra["checkpoint"] for p in phases)
+    durations, rates, sizes = [], [], []
+    for i in range(n):
+        mine = [p for p in phases if p.extra["checkpoint"] == i]
+        durations.append(max(p.end - p.start for p in mine))
+        sizes.append(sum(p.bytes for p in mine))
+        rates.append(sizes[-1] / max(durations[-1], 1e-12) / 1e6)
+    row = _merge(case, path, name, per_rank, cache)  # the latencies, stalls and totals
+    row.seconds = float(np.mean(durations))
+    row.mb_s = float(np.mean(rates))
+    row.iops = row.ops / max(sum(durations), 1e-12)
+    row.extra.update(
+        model=case.config.mlperf,
+        scale=case.config.scale,
+        processes=case.slots,
+        checkpoints=n,
+        checkpoint_bytes=sizes[0],
+        duration_max_s=durations,  # per checkpoint: the slowest rank
+        throughput_min_mb_s=rates,  # per checkpoint: the slowest rank's (MLPerf: checkpoint size / its duration)
+        throughput_min_gib_s_mean=float(np.mean(rates)) * 1e6 / 2**30,  # DLIO's unit, "GB/s" = GiB/s
+    )
+    return row
+
+
 def aggregate(case: Case, path: str, outcomes: list, cache: str) -> list[CaseResult]:
     """Rows for `case` from every rank's CaseOutcome; a hung or failed case gives one row saying so."""
     bad = [o for o in outcomes if o.verdict != "ok"]
@@ -132,9 +162,10 @@ def aggregate(case: Case, path: str, outcomes: list, cache: str) -> list[CaseRes
     names: list[str] = []
     for per_worker in (o.phases for o in outcomes):
         for phases in per_worker:
-            names += [p.name for p in phases if p.name not in names]
+            names += [name for name in dict.fromkeys(p.name for p in phases) if name not in names]
     rows = []
     for name in names:
         per_rank = [[p for phases in o.phases for p in phases if p.name == name] for o in outcomes]
-        rows.append(_merge(case, path, name, per_rank, cache))
+        merge = _merge_checkpoints if any("checkpoint" in p.extra for ps in per_rank for p in ps) else _merge
+        rows.append(merge(case, path, name, per_rank, cache))
     return rows
