@@ -68,7 +68,9 @@ class BadRecordError(CorpusforgeError, ValueError):
 def input_format(path: Path) -> str | None:
     """'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet', 'hf' or None for a file corpusforge does not read."""
     if path.is_dir():
-        return "hf" if (path / "state.json").is_file() and (path / "dataset_info.json").is_file() else None
+        # Either of save_to_disk's two files marks one (a damaged one too: then it is refused as damaged, rather than
+        # its state.json read as JSON lines)
+        return "hf" if (path / "state.json").is_file() or (path / "dataset_info.json").is_file() else None
     name = path.name.lower()
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
@@ -279,7 +281,23 @@ def _load_hf(path: Path):
         import datasets
     except ImportError:
         raise InputError(f"{path}: reading a Hugging Face dataset needs `pip install 'corpusforge[hf]'`") from None
-    return datasets.load_from_disk(os.fspath(path))
+    import pyarrow as pa
+
+    try:
+        return datasets.load_from_disk(os.fspath(path))
+    except (pa.ArrowException, ValueError, OSError) as e:  # a cut or junk shard, a missing or garbled state.json
+        raise _hf_damaged(path, e) from None
+
+
+def _hf_damaged(path: str | Path, e: BaseException) -> BaseException:
+    """The one line for a Hugging Face dataset directory that datasets/pyarrow cannot read. An I/O error (errno set,
+    other than a missing file, which is the directory's own damage) is the disk's, not the dataset's: kept as it is."""
+    if isinstance(e, OSError) and e.errno is not None and not isinstance(e, FileNotFoundError):
+        return e
+    return InputError(
+        f"{path}: not a Hugging Face dataset saved with save_to_disk, or a damaged one ({first_line(e)}); "
+        "re-save it with Dataset.save_to_disk (or re-download it)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -719,8 +737,13 @@ def _read_hf(task: Task, keys: Sequence[str], on_bad: str) -> Iterator[RecordBat
     dataset = _load_hf(Path(task.path))
     _check_columns(task, dataset.column_names, keys)
     table = dataset.select_columns(list(keys)).with_format("arrow")
+    import pyarrow as pa
+
     for start in range(task.start, task.stop, 8192):
-        part = table[start : min(start + 8192, task.stop)]
+        try:
+            part = table[start : min(start + 8192, task.stop)]
+        except (pa.ArrowException, OSError) as e:  # a shard cut after its schema: the rows from it on are lost
+            raise _hf_damaged(task.path, e) from None
         yield _columns_batch(task, keys, [part.column(k) for k in keys], start, on_bad)
 
 

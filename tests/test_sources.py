@@ -316,3 +316,35 @@ def test_reading_a_task_keeps_only_the_current_block_mapped(tmp_path, monkeypatc
         peak = max(peak, _rss_file_kb() - before)
     assert count == 12_000
     assert peak < 12 << 10, f"RssFile grew by {peak} KB reading a 24 MB task in 1 MB blocks"  # 23 MB before
+
+
+HF_DAMAGE = {
+    "shard cut in half": lambda d, shard: os.truncate(shard, os.path.getsize(shard) // 2),
+    "shard cut in its schema": lambda d, shard: os.truncate(shard, 100),
+    "shard of junk": lambda d, shard: shard.write_bytes(os.urandom(shard.stat().st_size)),
+    "shard missing": lambda d, shard: shard.unlink(),
+    "state.json garbled": lambda d, shard: (d / "state.json").write_text("{not json"),
+    "dataset_info.json missing": lambda d, shard: (d / "dataset_info.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HF_DAMAGE))
+def test_a_damaged_hf_dataset_is_one_line_naming_the_directory(tmp_path, damage):
+    """Every way a save_to_disk directory can be cut or garbled gives preprocess one line naming it and the fix, exit
+    1, no traceback. (Bytes changed inside a record's text cannot be seen: Arrow keeps no checksum.)"""
+    import subprocess
+    import sys
+
+    datasets = pytest.importorskip("datasets")
+    hf = tmp_path / "hf"
+    datasets.Dataset.from_dict({"text": [d * 20 for d in DOCS] * 4}).save_to_disk(hf)
+    HF_DAMAGE[damage](hf, next(hf.glob("*.arrow")))
+    proc = subprocess.run(
+        [sys.executable, "-m", "corpusforge.cli", "preprocess", str(hf), "--output-prefix", str(tmp_path / "o" / "p")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"corpusforge: error: {hf}: "), proc.stderr
+    assert "save_to_disk" in lines[0]
+    assert not (tmp_path / "o" / "p_text_document.idx").exists()
