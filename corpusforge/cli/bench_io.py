@@ -46,6 +46,7 @@ BENCH_OPTIONS = config_options(
     Opt("scale", type=float, extra={"metavar": "F"}),
     Opt("mlperf_processes", type=click.IntRange(min=0)),
     Opt("mlperf_checkpoints", type=COUNT),
+    Opt("mlperf_pause", type=Seconds()),
     Opt("dataset", help="Token dataset PREFIX (or s3://...) for replay/train [default: a synthetic one]."),
     Opt("synthetic_tokens", type=Size(minimum=1)),
     Opt("seq_length", type=COUNT),

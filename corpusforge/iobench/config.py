@@ -84,6 +84,10 @@ class BenchConfig:
     mlperf_checkpoints: int = 10
     """With --mlperf: checkpoints written, then read back (the rules' num_checkpoints_write/read: 10)."""
 
+    mlperf_pause: float = 5.0
+    """With --mlperf: seconds of emulated compute before each checkpoint written or read, not timed (the rules'
+    time_between_checkpoints: 5); the storage drains its write-back meanwhile, as it does in training."""
+
     dataset: str | None = None
     """Token dataset prefix (PREFIX.bin/.idx) for replay and train; None: a synthetic one is written on the path."""
 
@@ -179,6 +183,8 @@ class BenchConfig:
                 f"--mlperf-processes {self.mlperf_processes}: {self.mlperf} has {ranks} ranks; give 1..{ranks}, "
                 "or 0 for all"
             )
+        if self.mlperf_pause < 0:
+            problems.append(f"--mlperf-pause {self.mlperf_pause:g}: negative; give seconds >= 0 (the rules: 5)")
         if self.mlperf_checkpoints < 1:
             problems.append(f"--mlperf-checkpoints {self.mlperf_checkpoints}: give at least 1 (the rules: 10)")
         if "checkpoint" not in self.patterns:

@@ -29,8 +29,8 @@ utils/statscounter.py time each checkpoint per rank after a barrier, throughput 
 duration: the minimum over ranks is the whole checkpoint over the maximum duration. The rules' "subset" mode (one
 host of 8 processes for a bigger model) keeps the full DP and runs ranks 0..N-1 only.
 
-Left out: the 5 s of emulated compute between checkpoints (time_between_checkpoints) measure no storage; files hold
-raw tensor bytes, not torch.save's zip container (a few KiB per file).
+The 5 s of emulated compute before each checkpoint (time_between_checkpoints) are bench-io's --mlperf-pause, not
+timed. Files hold raw tensor bytes, not torch.save's zip container (a few KiB per file).
 
 Example:
     >>> MODELS["llama3-8b"].ranks, round(MODELS["llama3-8b"].total_bytes() / 2**30)

@@ -408,9 +408,13 @@ def mlperf_folder(case: Case, index: int) -> str:
     return os.path.join(case.scratch, f"global_epoch1_step{index + 1}")
 
 
-def _checkpoint_phase(name: str, index: int, beat: Beat, files, each: Callable[[str, int, Phase], None]) -> Phase:
-    """One checkpoint of one rank: every process starts it together (DLIO's barrier), the span is this rank's."""
+def _checkpoint_phase(
+    name: str, index: int, beat: Beat, files, each: Callable[[str, int, Phase], None], pause: float
+) -> Phase:
+    """One checkpoint of one rank: after `pause` seconds of emulated compute every process starts it together
+    (DLIO's compute, then its barrier); the span is this rank's."""
     phase = Phase(name, extra={"checkpoint": index})
+    time.sleep(pause)
     beat.sync()
     beat.phase(_code(name))
     phase.start = time.perf_counter()
@@ -426,7 +430,7 @@ def measure_mlperf_checkpoints(case: Case, slot: int, beat: Beat) -> list[Phase]
     writes its files of `mlperf_checkpoints` checkpoints, each file fsynced; then the page cache is dropped and
     the checkpoints are read back in the same order. One phase per checkpoint, write and read."""
     c = case.config
-    bs = case.block_size
+    bs, pause = case.block_size, c.mlperf_pause
     files = mlperf.MODELS[c.mlperf].rank_files(slot, c.scale)
     buf = aligned_buffer(bs, fill_seed=c.seed + slot)
     data = memoryview(buf)[:bs]
@@ -436,7 +440,7 @@ def measure_mlperf_checkpoints(case: Case, slot: int, beat: Beat) -> list[Phase]
         os.makedirs(folder, exist_ok=True)
         per_ckpt.append([(os.path.join(folder, f"{name}.pt"), size) for name, size in files])
     phases = [
-        _checkpoint_phase("write", i, beat, per_ckpt[i], lambda p, n, ph: _write_file(p, n, data, ph, beat))
+        _checkpoint_phase("write", i, beat, per_ckpt[i], lambda p, n, ph: _write_file(p, n, data, ph, beat), pause)
         for i in range(c.mlperf_checkpoints)
     ]
     beat.sync()  # the rules: every write done, then the cache cleared, then the reads
@@ -445,7 +449,7 @@ def measure_mlperf_checkpoints(case: Case, slot: int, beat: Beat) -> list[Phase]
             drop_page_cache(path)
     into = aligned_buffer(bs)
     phases += [
-        _checkpoint_phase("read", i, beat, per_ckpt[i], lambda p, n, ph: _read_file(p, n, into, data, ph, beat))
+        _checkpoint_phase("read", i, beat, per_ckpt[i], lambda p, n, ph: _read_file(p, n, into, data, ph, beat), pause)
         for i in range(c.mlperf_checkpoints)
     ]
     return phases

@@ -114,7 +114,9 @@ def test_real_run_writes_fsyncs_drops_reads_back_and_reports_the_rules_metric(tm
     where.mkdir()
     logged(monkeypatch, log)
     scale, n = 0.0002, 2
-    config = tiny(where, patterns=("checkpoint",), mlperf="llama3-8b", scale=scale, mlperf_checkpoints=n)
+    config = tiny(
+        where, patterns=("checkpoint",), mlperf="llama3-8b", scale=scale, mlperf_checkpoints=n, mlperf_pause=0
+    )
     run = run_bench(config)
     assert os.listdir(where) == []  # every checkpoint removed with the run directory
     write, read = run.results
@@ -146,7 +148,7 @@ def test_real_run_writes_fsyncs_drops_reads_back_and_reports_the_rules_metric(tm
 
 def test_subset_mode_runs_the_first_ranks_of_the_layout(tmp_path):
     config = tiny(tmp_path, patterns=("checkpoint",), mlperf="llama3-405b", scale=1e-5, mlperf_processes=2,
-                  mlperf_checkpoints=1)  # fmt: skip
+                  mlperf_checkpoints=1, mlperf_pause=0)  # fmt: skip
     write, read = run_bench(config).results
     assert write.procs == 2 and write.extra["checkpoint_bytes"] == MODELS["llama3-405b"].total_bytes(1e-5, 2)
     assert read.bytes == write.bytes and os.listdir(tmp_path) == []
@@ -181,6 +183,7 @@ def test_duration_is_the_slowest_rank_and_throughput_the_checkpoint_over_it():
         (["--mlperf", "llama3-8b", "--scale", "1.5"], "--scale 1.5"),
         (["--mlperf", "llama3-8b", "--mlperf-processes", "9"], "--mlperf-processes 9: llama3-8b has 8 ranks"),
         (["--scale", "0.5"], "--scale 0.5: applies to --mlperf only"),
+        (["--mlperf", "llama3-8b", "--mlperf-pause", "-1"], "'--mlperf-pause'"),
     ],
 )
 def test_bad_values_are_one_line_usage_errors(tmp_path, args, words):
@@ -203,7 +206,7 @@ def test_cli_run_writes_the_metric_to_json(tmp_path):
     where.mkdir()
     out = tmp_path / "r.json"
     proc = cli(str(where), "--pattern", "checkpoint", "--mlperf", "llama3-8b", "--scale", "0.0001",
-               "--mlperf-checkpoints", "2", "--json", str(out))  # fmt: skip
+               "--mlperf-checkpoints", "2", "--mlperf-pause", "0.1", "--json", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "min-rank" in proc.stdout and "max-rank" in proc.stdout
     doc = json.loads(out.read_text())
