@@ -27,6 +27,10 @@ metrics.jsonl ("checkpoint_stall" records: stall_s, of which wait_s for the prev
 "checkpoint": write_s). A further save or the end of the run waits for the previous write first. The copy lands in
 host buffers allocated at the first save and reused by every later one, pinned on a GPU (checkpoint_staging.py).
 
+Failing in one line: a save first checks that the file system has room for the checkpoint's tensors; a write that
+fails all the same (a disk that fills meanwhile) is found at the first step after it ended (`Checkpointer.check`,
+agreed by every rank), one CheckpointError naming the checkpoints directory and the step, its `.tmp-` removed.
+
 Untrusted files: no pickle runs code. trainer.pt is loaded with weights_only=True; DCP's `.metadata` is a pickle,
 read with an unpickler that builds DCP's own metadata classes and nothing else. Checkpoints of corpusforge before
 sharded saves (a full-state model.pt) are refused with the command that converts them (`convert_full_state`).
@@ -48,13 +52,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
 from corpusforge.fsutil import atomic_write, fsync_dir, write_json_atomic
+from corpusforge.sizes import human_bytes
 from corpusforge.train.checkpoint_staging import PinnedStager
 from corpusforge.train.parallel import tied_aliases
 
 PREFIX, TMP = "step_", ".tmp-"
+# What DCP writes per saved tensor beyond its bytes: the torch.save archive around it in the .distcp file (~1.5 KiB)
+# and its entry in .metadata (~0.2 KiB), measured with torch 2.13; it matters only for small models.
+ENTRY_BYTES = 2048
 
 # DCP warns on every save and load by one process that it assumes one process: that is the intent here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -178,6 +187,11 @@ class ShardedState:
             parts.append((module, opt, model_sd, optim_sd))
         return cls(parts, flat)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the saved tensors at their global size (a DTensor's whole tensor, not this rank's shard)."""
+        return sum(v.numel() * v.element_size() for v in self.flat.values())
+
     def set_back(self) -> None:
         """Put the loaded tensors (DCP loads in place into `flat`) back into the modules and optimizers."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
@@ -234,37 +248,52 @@ def prune(out_dir: str | Path, keep: int) -> None:
 # saving while training
 
 
+def _alone(check: Any, here: bool = True) -> Any:
+    """agree() of one process: the check's outcome is already everyone's."""
+    return check() if here else None
+
+
 class Checkpointer:
     """Every rank writes its shards (dcp.async_save when `asynchronous`, on a background thread); rank 0 completes
     and publishes the directory once all are written. One save in flight at a time. Every rank must construct it
-    (the gloo group for the background collectives is created here) and call save() and wait().
+    (the gloo group for the background collectives is created here) and call save(), check() and close() at the
+    same points: with `agree` (the trainer's Runtime.agree) a failure that one rank meets (its disk full, rank 0's
+    publish) is every rank's CheckpointError.
+
+    A save first checks that the checkpoint's file system has room for it (the bytes of the state's tensors), and a
+    write that fails (a disk that fills while it is written) is one CheckpointError naming the checkpoints directory
+    and the step, raised by check() at the first step after it failed, or by the next save() or close(); its
+    `.tmp-` directory is removed, so no step directory of it appears and the previous checkpoint stays the latest.
 
     Example:
         >>> ckpt = Checkpointer("runs/a", rank=0, keep=2, asynchronous=True)
         >>> ckpt.save(step, ShardedState.of(model, optimizer), trainer, meta)   # returns once the state is staged
-        >>> ckpt.wait()                                 # before exit: the write is complete, or its error raised
+        >>> ckpt.check()                                # each step: raises if the write has failed meanwhile
+        >>> ckpt.close()                                # before exit: the write is complete, or its error raised
     """
 
-    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool) -> None:
+    def __init__(self, out_dir: str | Path, rank: int, keep: int, asynchronous: bool, agree: Any = _alone) -> None:
         import torch.distributed as dist
 
         self.out_dir, self.rank, self.keep, self.asynchronous = Path(out_dir), rank, keep, asynchronous
+        self._agree = agree
         # DCP's own collectives (plans, then "all written") on a gloo group: a background save must not interleave
         # with the training's collectives on the default group, and gloo needs no device (as torchtitan does)
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._stager = PinnedStager() if asynchronous else None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: CheckpointError | None = None
         self.last: dict[str, Any] | None = None  # {"step", "path", "write_s"} of the last finished write
         self.last_stall: dict[str, float] = {}  # {"wait_s", "stage_s"} of the last save() call
 
     def save(self, step: int, state: ShardedState, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write `state` (this rank's shards) and, from rank 0, `trainer` and `meta` as the checkpoint of `step`;
-        returns once the shards are staged in host memory when asynchronous."""
+        returns once the shards are staged in host memory when asynchronous. Collective."""
         import torch.distributed.checkpoint as dcp
 
         t_wait = time.perf_counter()
-        self.wait()  # before staging: the pinned buffers are the previous write's source until it is done
+        # before staging: the pinned buffers are the previous write's source until it is done
+        self._agree(lambda: self._make_room(step, state))
         root = checkpoint_root(self.out_dir)
         final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP}{PREFIX}{step:08d}"
         if self.rank == 0:  # a killed save's leftovers; the others write only after DCP's plan exchange with rank 0
@@ -276,24 +305,63 @@ class Checkpointer:
             future = dcp.async_save(state.flat, storage_writer=writer, async_stager=self._stager,
                                     **_dcp_kwargs(self.group))  # fmt: skip
             self.last_stall["stage_s"] = time.perf_counter() - t0
-            self._thread = threading.Thread(target=self._finish, args=(future, step, tmp, final, trainer, meta, t0),
-                                            name="checkpoint")  # fmt: skip
+            self._thread = threading.Thread(target=self._finish, args=(future.result, step, tmp, final, trainer,
+                                            meta, t0), name="checkpoint")  # fmt: skip
             self._thread.start()
-        else:
-            dcp.save(state.flat, storage_writer=writer, **_dcp_kwargs(self.group))
-            self._finish(None, step, tmp, final, trainer, meta, t0)
-            self.wait()
+        else:  # DCP raises a failed write on every rank; publishing (rank 0) is agreed
+            write = lambda: dcp.save(state.flat, storage_writer=writer, **_dcp_kwargs(self.group))  # noqa: E731
+            self._finish(write, step, tmp, final, trainer, meta, t0)
+            self._agree(self.wait)
 
-    def _finish(self, future: Any, step: int, tmp: Path, final: Path, trainer: dict, meta: dict, t0: float) -> None:
+    def _make_room(self, step: int, state: ShardedState) -> None:
+        """Wait for the write in flight (its error raised), then refuse a checkpoint its file system has no room
+        for: the bytes of the tensors in `state` at their global size and DCP's overhead on each, what the step
+        directory will hold when the ranks share it (of a pipeline stage, only that stage's)."""
+        self.wait()
+        root = checkpoint_root(self.out_dir)
+        need = state.nbytes + ENTRY_BYTES * len(state.flat)
         try:
-            if future is not None:
-                future.result()  # on rank 0, DCP returns once every rank's shards and .metadata are written
+            root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(root).free
+        except OSError as e:
+            raise CheckpointError(f"{root}: cannot write checkpoints there ({e.strerror}); {self._fix()}") from None
+        if free < need:
+            raise CheckpointError(
+                f"{root}: {human_bytes(free)} free, but the checkpoint of step {step} needs {human_bytes(need)}; "
+                f"{self._fix()}"
+            )
+
+    def _finish(self, write: Any, step: int, tmp: Path, final: Path, trainer: dict, meta: dict, t0: float) -> None:
+        """Run the write (DCP's; asynchronously, the future's result) and, on rank 0, publish the directory; a
+        failure becomes the CheckpointError that wait() and check() raise, and its `.tmp-` directory is removed."""
+        try:
+            write()  # on rank 0, DCP returns once every rank's shards and .metadata are written
             if self.rank == 0:
                 path = publish(tmp, final, trainer, meta)
                 prune(self.out_dir, self.keep)
                 self.last = {"step": step, "path": str(path), "write_s": time.perf_counter() - t0}
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            self._error = self._write_failed(step, e)
+            if self.rank == 0:  # every rank's write has ended: DCP gathered their outcomes before failing
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_failed(self, step: int, error: BaseException) -> CheckpointError:
+        root = checkpoint_root(self.out_dir)
+        causes = _causes(error)
+        full = any(_is_no_space(c) for c in causes)
+        why = "no space left on the device" if full else first_line(causes[0] if causes else error)
+        return CheckpointError(f"{root}: the checkpoint of step {step} could not be written ({why}); {self._fix()}")
+
+    def _fix(self) -> str:
+        """What to do about a checkpoint that cannot be written: room, or another out_dir that continues the run."""
+        latest = latest_checkpoint(self.out_dir)
+        resume = f" (and checkpoint.resume={latest} to continue from it)" if latest else ""
+        return f"free space there (or keep fewer: checkpoint.keep), or give an out_dir with room{resume}"
+
+    def check(self) -> None:
+        """Raise the error of a write that has finished since the last call; never waits for one in flight."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the write in flight is done; raise its error if it failed."""
@@ -302,16 +370,38 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"writing a checkpoint under {self.out_dir} failed: {error}") from error
+            raise error
 
     def close(self) -> None:
-        """wait(), then free the pinned staging memory."""
+        """wait() (agreed: collective), then free the pinned staging memory."""
         try:
-            self.wait()
+            self._agree(self.wait)
         finally:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The exceptions behind `error`: each rank's of a DCP CheckpointException (it holds (exception, stack) pairs),
+    else `error` and the chain of its causes."""
+    if isinstance(error, CheckpointException):
+        return [c for exc, _ in error.failures.values() for c in _causes(exc)]
+    chain = [error]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        if len(chain) > 8:
+            break
+    return chain
+
+
+def _is_no_space(error: BaseException) -> bool:
+    """A write that failed for want of space: ENOSPC/EDQUOT, or torch's zip writer cut short by it (its message
+    keeps no errno: "[enforce fail at inline_container.cc:...] unexpected pos")."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return "No space left" in text or "Disk quota exceeded" in text or "unexpected pos" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,12 +598,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any, gr
 def _dcp_load(path: Path, state: ShardedState, reader: Any, **kwargs: Any) -> None:
     """dcp.load into `state`; a shard file cut short or damaged is one line (DCP's error lists every rank's)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         dcp.load(state.flat, storage_reader=reader, **kwargs)
     except CheckpointException as e:
-        why = first_line(next(iter(e.failures.values()), e))
+        why = first_line((_causes(e) or [e])[0])
         raise CheckpointError(f"{path}: a shard file is damaged or missing ({why}); {_delete_hint(path)}") from None
 
 

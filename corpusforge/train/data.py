@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +70,11 @@ def _split_tokens(dataset: Any) -> int:
     return int(np.sum(dataset.indexed.sequence_lengths[lo:hi], dtype=np.int64))
 
 
-def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, device: Any = "cpu") -> TrainData:
-    """Train and validation loaders for `rank`. Rank 0 builds the index caches first, then the others map them
-    (pass `barrier` under torch.distributed)."""
+def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device: Any = "cpu") -> TrainData:
+    """Train and validation loaders for `rank`. Under torch.distributed (`agree`: the trainer's Runtime.agree) rank 0
+    builds the index caches first while the others wait for its outcome, then the others map them: an error of rank
+    0 (a dataset that does not exist) is every rank's at once, as is one of another rank (a node that cannot read
+    the caches)."""
     from corpusforge.data import build_gpt_datasets, make_loader, read_modes
 
     if cfg.family == "retro":
@@ -103,13 +106,13 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
                 storage=cfg.storage,
             )
         except OSError as e:  # a missing prefix, a dataset over the local cache's cap, an unreachable endpoint
-            raise DataError(str(e)) from None
+            raise DataError(_cache_error(e, cache_dir)) from None
 
-    if barrier is not None and rank != 0:
-        barrier()
-    train, valid, _ = build()
-    if barrier is not None and rank == 0:
-        barrier()
+    if agree is None:
+        train, valid, _ = build()
+    else:
+        first = agree(build, here=rank == 0)  # rank 0 writes the index caches while the others wait for its outcome
+        train, valid, _ = agree(build if rank != 0 else lambda: first)  # then they map them; rank 0 has its own
     if train is None:
         raise DataError(f"split {cfg.data.split!r} gives the train split no data")
     tokens = _split_tokens(train)
@@ -129,6 +132,18 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, barrier=None, devic
     if cfg.metrics.eval_interval:
         valid_loader = make_loader(valid, cfg.schedule.micro_batch_size, rank, world_size, 0)
     return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train))
+
+
+def _cache_error(e: OSError, cache_dir: str) -> str:
+    """The line for an OSError of building the datasets: the index cache's directory and the fix when it cannot be
+    written; the library's own line (a missing prefix names it and the fix) otherwise."""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+        why = "no space left" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror
+        return (
+            f"{cache_dir}: cannot write the index caches there ({why}: {e.filename}); set data.cache_dir to a "
+            f"directory you can write, or build them beforehand with corpusforge prepare-cache"
+        )
+    return str(e)
 
 
 def _loader_options(cfg: TrainConfig) -> dict[str, Any]:

@@ -13,19 +13,23 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
+import importlib
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from corpusforge.data.loader import LoaderStateError
+from corpusforge.errors import CorpusforgeError
 from corpusforge.train import checkpoint as ckpt
 from corpusforge.train import llama, retro_model
 from corpusforge.train import parallel as par
@@ -41,6 +45,7 @@ from corpusforge.train.retro_model import RetroConfig, RetroModel
 ModelConfig = GPTConfig | LlamaConfig | RetroConfig
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,6 +59,7 @@ class Runtime:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     distributed: bool = False
+    group: Any = None  # a gloo group of all ranks for agree(): CPU objects, whatever the device's backend
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +68,65 @@ class Runtime:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def agree(self, check: Callable[[], T], here: bool = True) -> T | None:
+        """Run `check` on this rank (when `here`) and make its outcome every rank's: its result is returned when no
+        rank's check raised a CorpusforgeError, else every rank raises the same one (the lowest failing rank's).
+        Collective: every rank calls it at the same point, `here` or not.
+
+        A check that one rank makes (the index caches rank 0 builds, a path one node cannot see, a batch with a bad
+        token) then ends every rank with the same one line, and no rank waits in a collective that the failed one
+        has left (which gloo reports as a 40-line "Connection reset by peer" traceback of the wrong rank).
+
+        Example:
+            >>> data = rt.agree(lambda: build_data(cfg, ...))          # every rank builds; any one's error is all's
+            >>> rt.agree(lambda: write_caches(cfg), here=rt.is_main)   # rank 0 decides; the others wait for it
+        """
+        error, result = None, None
+        if here:
+            try:
+                result = check()
+            except CorpusforgeError as e:
+                error = e
+        self.settle(error, checked=here)
+        return result
+
+    def settle(self, error: CorpusforgeError | None, checked: bool = True) -> None:
+        """Raise on every rank the error that any rank met (None: this rank met none, or did not look when not
+        `checked`); one all-reduce of a flag when none did. Collective."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([int(error is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            return
+        met: list[Any] = [None] * self.world_size
+        mine = "passed" if checked else None
+        if error is not None:
+            mine = (type(error).__module__, type(error).__qualname__, str(error), error.exit_code, socket.gethostname())
+        dist.all_gather_object(met, mine, group=self.group)
+        raise _agreed_error(met) from None
+
+
+def _agreed_error(met: list[tuple | str | None]) -> CorpusforgeError:
+    """The error every rank raises: the lowest failing rank's, of its class where it can be built from its message;
+    the rank and host named when another rank made the same check and passed it (a node that sees another file
+    system)."""
+    failed = [r for r, m in enumerate(met) if isinstance(m, tuple)]
+    module, qualname, message, code, host = met[failed[0]]
+    if "passed" in met:
+        others = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
+        message = f"{message} (met by rank {failed[0]} on {host}{others})"
+    cls = getattr(importlib.import_module(module), qualname, None)
+    try:
+        error = cls(message) if isinstance(cls, type) and issubclass(cls, CorpusforgeError) else None
+    except TypeError:  # a constructor that takes more than the message
+        error = None
+    error = error or CorpusforgeError(message)
+    error.exit_code = code
+    return error
 
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
@@ -80,7 +145,32 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     if rt.distributed and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, device_id=rt.device if use_cuda else None)
+    if rt.distributed:
+        rt.group = dist.new_group(backend="gloo")
     return rt
+
+
+def out_dir_error(out_dir: str | Path, e: OSError) -> CorpusforgeError:
+    """One line for an out_dir this rank cannot write (read-only, another user's, full, a file in the way)."""
+    why = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable by this user",
+           errno.EPERM: "is not writable by this user", errno.ENOSPC: "has no space left",
+           errno.EDQUOT: "is over its disk quota", errno.ENOTDIR: f"is not a directory ({e.filename})",
+           errno.EEXIST: f"is in the way of a directory ({e.filename})"}.get(e.errno)  # fmt: skip
+    what = why or f"cannot be written ({e.strerror}: {e.filename})"
+    return ConfigError(f"{out_dir}: the run's out_dir {what}; give an out_dir you can write (out_dir=...)", ["out_dir"])
+
+
+def check_out_dir(cfg: TrainConfig, rank: int) -> None:
+    """Every rank writes its checkpoint shards under out_dir: make out_dir and prove with a file that this rank can
+    write there, before any data or model is built."""
+    root = Path(cfg.out_dir)
+    probe = root / f".write-test-{rank}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise out_dir_error(cfg.out_dir, e) from None
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -275,8 +365,12 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     device for a dry run, so that a 70B plan takes seconds and no memory) and lay it out over the ranks."""
     accum = grad_accum_steps(cfg, layout.dp)
     g = model_config(cfg)
-    resume_from = find_resume(cfg, model_shape(g))
-    data = build_data(cfg, layout.dp_rank(rt.rank), layout.dp, rt.barrier if rt.distributed else None, rt.device)
+    # each check below is made by every rank (or by rank 0 for all) and agreed: one rank's error is every rank's
+    if not dry_run:
+        rt.agree(lambda: check_out_dir(cfg, rt.rank))
+    resume_from = rt.agree(lambda: find_resume(cfg, model_shape(g)))
+    agree = rt.agree if rt.distributed else None
+    data = rt.agree(lambda: build_data(cfg, layout.dp_rank(rt.rank), layout.dp, agree, rt.device))
     # GPT and Llama are built on the meta device and only each rank's shards materialised after the parallel plan
     # (par.materialize), so a model larger than one rank's memory can start; RETRO is built whole on every rank
     on_meta = dry_run or not isinstance(g, RetroConfig)
@@ -487,15 +581,28 @@ def all_mean(x: torch.Tensor, plan: Plan) -> torch.Tensor:
     return x
 
 
-def train_step(plan: Plan, stream: DataStream, step: int, loss_of) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum micro-batches: (mean loss, grad norm, seconds waited for data)."""
+def next_batches(plan: Plan, stream: DataStream, count: int, before: Callable[[], None] = lambda: None) -> list:
+    """The next `count` micro-batches [(batch, seconds waited)], checked (DataStream.next) on every rank and agreed
+    before any of them is computed: a bad batch on one rank ends every rank with its line, not a collective with a
+    rank that left. `before`: this rank's other pending errors (a checkpoint write that failed), agreed with them in
+    the same one collective per step."""
+
+    def fetch() -> list:
+        before()
+        return [stream.next() for _ in range(count)]
+
+    return plan.rt.agree(fetch)
+
+
+def train_step(plan: Plan, batches: list, step: int, loss_of) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum micro-batches (next_batches): (mean loss, grad norm, seconds waited for
+    data)."""
     lr = lr_at(step, plan.cfg)
     for group in plan.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # RETRO's encoder: a fraction (optim.make_optimizer)
     loss_sum = torch.zeros((), device=plan.rt.device)
     waited = 0.0
-    for micro in range(plan.grad_accum):
-        batch, wait = stream.next()
+    for micro, (batch, wait) in enumerate(batches):
         waited += wait
         if plan.schedule is not None:
             loss_sum += pipeline_pass(plan, batch)
@@ -526,8 +633,7 @@ def evaluate(plan: Plan, loss_of, random_neighbours: bool = False) -> float:
     stream = DataStream(loader, plan)
     plan.model.eval()
     total = torch.zeros((), device=plan.rt.device)
-    for _ in range(plan.cfg.metrics.eval_batches):
-        batch, _ = stream.next()
+    for batch, _ in next_batches(plan, stream, plan.cfg.metrics.eval_batches):
         if plan.schedule is not None:
             total += pipeline_pass(plan, batch, train=False) * plan.grad_accum  # the loss carries 1/grad_accum
             continue
@@ -547,7 +653,7 @@ def gather_waits(waits: list[float], plan: Plan) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
-def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: MetricsWriter) -> float:
+def save_checkpoint(plan: Plan, saver: ckpt.Checkpointer, step: int, writer: RunFiles) -> float:
     """Hand this rank's shards to the saver (it stages them to host memory and writes them in the background);
     returns the seconds training stood still."""
     t0 = time.perf_counter()
@@ -652,15 +758,42 @@ def dry_run_report(plan: Plan, log: Log) -> dict[str, Any]:
     return {"dry_run": True, **plan.summary(), "ranks": ranks}
 
 
+class RunFiles:
+    """The run directory's config.json and metrics.jsonl (rank 0). A write that fails (a disk that fills) does not
+    end rank 0 alone in the middle of a step: its error waits for the next agreement (`pending`), where every rank
+    raises it."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        self.out, self.error = Path(cfg.out_dir), None
+        try:
+            if rt.is_main:
+                ckpt.remove_partial(self.out)  # a killed save's leftovers
+                (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            self.metrics = MetricsWriter(self.out, rt.is_main, cfg.metrics.tensorboard)
+        except OSError as e:
+            raise out_dir_error(self.out, e) from None
+
+    def write(self, kind: str, record: dict[str, Any]) -> None:
+        if self.error is None:
+            try:
+                self.metrics.write(kind, record)
+            except OSError as e:
+                self.error = out_dir_error(self.out, e)
+
+    def pending(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.pending()
+
+
 def run(plan: Plan, log: Log) -> dict[str, Any]:
     cfg, rt = plan.cfg, plan.rt
     out = Path(cfg.out_dir)
-    if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_partial(out)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    writer = MetricsWriter(out, rt.is_main, cfg.metrics.tensorboard)
-    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write)
+    writer = rt.agree(lambda: RunFiles(cfg, rt))
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write, agree=rt.agree)
     start = resume(plan, log, saver.group) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
@@ -679,8 +812,14 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
     stream = DataStream(plan.data.train, plan)
     stats = Stats()
     interval_t0, interval_steps, waits = time.perf_counter(), 0, []
+
+    def pending() -> None:  # what this rank met since the last step: a checkpoint write or a metrics write failed
+        writer.pending()
+        saver.check()
+
     for step in range(start + 1, last + 1):  # `step` counts optimizer steps done once this one is taken
-        loss, norm, waited = train_step(plan, stream, step - 1, loss_of)
+        batches = next_batches(plan, stream, plan.grad_accum, pending)
+        loss, norm, waited = train_step(plan, batches, step - 1, loss_of)
         waits.append(waited)
         interval_steps += 1
         if step % cfg.metrics.log_interval == 0 or step == last:
@@ -721,7 +860,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == last:
             stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
-    saver.close()
+    saver.close()  # waits for the last write: its error, agreed, is every rank's
     if saver.last is not None and rt.is_main:
         writer.write(
             "checkpoint",
@@ -729,7 +868,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
         )
     summary = stats.summary(plan, start, last, saver)
     writer.write("summary", summary)
-    writer.close()
+    rt.agree(writer.close)
     for line in summary_lines(summary):
         log(line)
     return summary

@@ -84,10 +84,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(overrides: list[str], nproc: int, timeout: int = 240, check: bool = True):
+def torchrun(overrides: list[str], nproc: int, timeout: int = 240, check: bool = True, options: list[str] = (),
+             wrapper: list[str] = ()):  # fmt: skip
     """`torchrun -m corpusforge.train` in its own process group of `nproc` gloo ranks, killed after `timeout`
-    seconds (a hung collective fails the test instead of hanging CI); returns the CompletedProcess."""
-    return _launch(["-m", "corpusforge.train", *overrides], nproc, timeout, check, f"torchrun {nproc}")
+    seconds (a hung collective fails the test instead of hanging CI); returns the CompletedProcess. `options`: more
+    torchrun flags (--log-dir D --redirects 3: each rank's output in its own file); `wrapper`: a script and its
+    arguments that each rank runs instead, which runs `-m corpusforge.train` with the overrides (rank_view.py)."""
+    tail = [*options, *(wrapper or ["-m", "corpusforge.train"]), *overrides]
+    return _launch(tail, nproc, timeout, check, f"torchrun {nproc}")
+
+
+def rank_logs(log_dir: Path | str) -> dict[int, str]:
+    """{local rank: its stderr} of a torchrun launched with options ["--log-dir", log_dir, "--redirects", "3"]."""
+    found = sorted(Path(log_dir).glob("*/attempt_*/*/stderr.log"))
+    return {int(p.parent.name): p.read_text() for p in found}
 
 
 def torchrun_runs(runs: list[list[str]], nproc: int, work: Path | str, timeout: int = 600):
