@@ -1,7 +1,7 @@
 """prepare-cache --megatron against megatron-core writing the same cache files, on a blend of many small datasets.
 
-    python benchmarks/bench_prepare_cache.py [--datasets 2500] [--docs 200] [--samples 2000000] [--seq-length 2048]
-                                             [--split 1] [--rounds 3] [--out benchmarks/results/prepare-cache-<date>.json]
+    python benchmarks/bench_prepare_cache.py [--datasets 2500] [--docs 200] [--samples 2000000]
+        [--seq-length 2048] [--split 1] [--rounds 3] [--out benchmarks/results/prepare-cache-<date>.json]
 
 The blend is bench_blend.py's (--datasets token datasets of --docs documents, lengths uniform in [1, 2000), seeded
 weights in [0.5, 1.5), under benchmarks/work/blend/). Each run is a fresh interpreter, the sides alternating which
@@ -132,8 +132,8 @@ def main() -> None:
         for side in ("megatron", "corpusforge") if r % 2 == 0 else ("corpusforge", "megatron"):
             cache = Path(tempfile.mkdtemp(prefix=f"prepare-{side}-", dir=args.work))
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--child", side, json.dumps({**spec, "cache": str(cache)})],
-                                  capture_output=True, text=True)  # fmt: skip
+            command = [sys.executable, __file__, "--child", side, json.dumps({**spec, "cache": str(cache)})]
+            proc = subprocess.run(command, capture_output=True, text=True)
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")

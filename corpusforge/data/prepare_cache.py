@@ -43,6 +43,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import os
 import time
@@ -54,9 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.data.blended import BlendedDataset, parse_blend
+from corpusforge.data.blended import (
+    BlendedDataset,
+    build_blending_indices,
+    normalize,
+    parse_blend,
+    samples_per_dataset,
+)
 from corpusforge.data.cache import CacheMismatchError, describe_dataset, describe_differences, wait_for_index_caches
-from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split
+from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, parse_split, split_ranges
 from corpusforge.errors import ArgumentError
 from corpusforge.fsutil import atomic_write, fsync_dir, fsync_path, remove_leftovers, write_json_atomic
 
@@ -306,38 +313,6 @@ def _blend_text(parts: list[str], split: str, weights: list, size: int | None) -
     return template.replace("        " + json.dumps(_SLOTS[0]), nested, 1)
 
 
-def _entries(
-    config: MegatronCacheConfig, sizes: Sequence[int], datasets: Sequence[Any], prefixes: list[str]
-) -> list[_Entry]:
-    """The entries of the datasets build_gpt_datasets returned, named and described as megatron-core does."""
-    common = {
-        "random_seed": config.seed,
-        "sequence_length": config.seq_length,
-        "split": config.split,
-        "split_matrix": megatron_split_matrix(config.split),
-        "tokenizer": tokenizer_identifiers(config),
-    }
-    template = _gpt_template(common)
-    out: list[_Entry] = []
-    for dataset in datasets:
-        if dataset is None:
-            continue
-        blended = isinstance(dataset, BlendedDataset)
-        parts: list[GPTDataset] = dataset.datasets if blended else [dataset]
-        texts = []
-        for d, part in enumerate(parts):
-            text = _gpt_text(template, prefixes[d], part.num_samples, part.split)
-            texts.append(text)
-            arrays = functools.partial(_gpt_arrays, part)
-            data = {"dataset_path": prefixes[d], "data": describe_dataset(part.indexed)}
-            out.append(_Entry(f"{_md5(text)}-GPTDataset-{part.split}", text, arrays, data))
-        if blended:
-            text = _blend_text(texts, dataset.split, dataset.weights, dataset.size)
-            arrays = functools.partial(_blend_arrays, dataset)
-            out.append(_Entry(f"{_md5(text)}-BlendedDataset-{dataset.split}", text, arrays, None))
-    return out
-
-
 def _gpt_arrays(part: GPTDataset) -> dict[str, np.ndarray]:
     return {"document_index": part.document_index, "sample_index": part.sample_index,
             "shuffle_index": part.shuffle_index}  # fmt: skip
@@ -355,32 +330,76 @@ def prepare_megatron_cache(
     config: MegatronCacheConfig, progress: Callable[[str, int, int], None] | None = None
 ) -> CacheStats:
     """Write megatron-core's index caches for Megatron-LM's data arguments into config.data_cache_path (see the
-    module docstring); `progress(stage, done, total)` is called as entries are written.
+    module docstring); `progress(stage, done, total)` is called as files are written.
+
+    The datasets are made as BlendedMegatronDatasetBuilder makes them (one prefix: a GPTDataset per split; weights:
+    each dataset's share of every split plus the surplus, blended into sum_d ceil(n * w_d); prefixes alone: one
+    epoch of each, blended by their lengths into min(n, their sum)), as corpusforge/data/builder.py does, in
+    memory; each dataset's files are handed to the writer threads as soon as it is built, so that the files' creation
+    (latency-bound) overlaps the building of the next datasets and of the blend.
 
     Example:
         >>> prepare_megatron_cache(MegatronCacheConfig(("out/a_text_document",), "cache/", 2048, split="99,1,0",
         ...     train_samples=1000, valid_samples=10, test_samples=0, vocab_size=50257)).written_files
         8
     """
-    from corpusforge.data.builder import build_gpt_datasets
+    from corpusforge.storage.datasets import open_datasets
 
     t0 = time.perf_counter()
     sizes = megatron_num_samples(config)
     prefixes, weights = megatron_blend(config.data_path)
-    tokenizer_identifiers(config)  # a bad --tokenizer-identifiers before any work
-    blend: list[Any] = prefixes if weights is None else [x for p, w in zip(prefixes, weights) for x in (p, w)]
-    if len(prefixes) == 1 and weights is None:
-        blend = prefixes[0]
-    # In memory (no cache_dir): the arrays, then written in megatron-core's names below.
-    datasets = build_gpt_datasets(
-        blend, config.seq_length, config.split, config.seed, sizes, None,
-        mid_level_dataset_surplus=config.mid_level_dataset_surplus,
-    )  # fmt: skip
-    built = time.perf_counter() - t0
-    entries = _entries(config, sizes, datasets, prefixes)
-    stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)), len(entries))
-    write_entries(Path(config.data_cache_path), entries, stats, config.durable, progress)
-    stats.build_seconds = round(built, 3)
+    common = {
+        "random_seed": config.seed,
+        "sequence_length": config.seq_length,
+        "split": config.split,
+        "split_matrix": megatron_split_matrix(config.split),
+        "tokenizer": tokenizer_identifiers(config),  # a bad --tokenizer-identifiers before any work
+    }
+    template = _gpt_template(common)
+    gpt_config = GPTDatasetConfig(seq_length=config.seq_length, seed=config.seed, split=config.split,
+                                  mid_level_dataset_surplus=config.mid_level_dataset_surplus)  # fmt: skip
+    indexed = open_datasets(prefixes)  # every missing file is reported before any work
+    stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)))
+    writer = _Writer(Path(config.data_cache_path), stats, config.durable, progress)
+    with writer:
+
+        def gpt(d: int, split: int, bounds: tuple[int, int], num_samples: int | None) -> tuple[GPTDataset, str]:
+            part = GPTDataset(indexed[d], SPLIT_NAMES[split], bounds, num_samples, gpt_config)
+            text = _gpt_text(template, prefixes[d], num_samples, part.split)
+            data = {"dataset_path": prefixes[d], "data": describe_dataset(part.indexed)}
+            writer.add(
+                _Entry(f"{_md5(text)}-GPTDataset-{part.split}", text, functools.partial(_gpt_arrays, part), data)
+            )
+            return part, text
+
+        if len(prefixes) == 1 and weights is None:
+            for s, bounds in enumerate(split_ranges(config.split, len(indexed[0]))):
+                if bounds is not None:
+                    gpt(0, s, bounds, sizes[s])
+        else:
+            # The blend's kernel first: numba then runs in this process, and each dataset's indices come from the
+            # compiled kernels rather than their numpy twins (kept for a lone small build: gpt_dataset._compiled).
+            build_blending_indices([0.5, 0.5], 2)
+            if weights is not None:
+                weights = normalize(weights)
+                buffer = [samples_per_dataset(weights, n, config.mid_level_dataset_surplus) for n in sizes]
+            parts: list[list[tuple[GPTDataset, str]]] = [[], [], []]
+            for d, ds in enumerate(indexed):
+                for s, bounds in enumerate(split_ranges(config.split, len(ds))):
+                    if bounds is not None:
+                        parts[s].append(gpt(d, s, bounds, buffer[s][d] if weights is not None else None))
+            for s, made in enumerate(parts):
+                if not made:
+                    continue
+                if weights is not None:
+                    blend = BlendedDataset([p for p, _ in made], weights, sum(samples_per_dataset(weights, sizes[s])))
+                else:
+                    lengths = [len(p) for p, _ in made]
+                    blend = BlendedDataset([p for p, _ in made], lengths, min(sizes[s], sum(lengths)))
+                text = _blend_text([t for _, t in made], blend.split, blend.weights, blend.size)
+                arrays = functools.partial(_blend_arrays, blend)
+                writer.add(_Entry(f"{_md5(text)}-BlendedDataset-{blend.split}", text, arrays, None))
+        stats.build_seconds = round(time.perf_counter() - t0, 3)
     stats.seconds = round(time.perf_counter() - t0, 3)
     return stats
 
@@ -391,67 +410,87 @@ _ARRAY_NAMES = {
 }
 
 
-def write_entries(
-    directory: Path,
-    entries: list[_Entry],
-    stats: CacheStats,
-    durable: bool = True,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> None:
-    """Write the missing files of `entries`: arrays, then (durable) a syncfs, then the descriptions, then a syncfs
-    again; an entry built for other data than today's is refused before anything is written. The files are
-    written by a few threads: creating a small file costs ~1 ms of metadata work in the kernel (ext4 here, more on
-    a network file system), which threads overlap."""
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(directory)  # the temporaries of a killed run
-    names = set(os.listdir(directory))  # one listing, not 10,000 stats
-    records = directory / ".corpusforge"
-    recorded = _read_records(records)
-    for entry in entries:
-        if entry.data is not None and entry.base in recorded and f"{entry.base}-description.txt" in names:
-            _check_data(recorded[entry.base], entry, directory)
-    jobs: list[tuple[Path, Callable[[], Any]]] = []
-    descriptions: list[tuple[Path, str]] = []
-    for entry in entries:
+class _Writer:
+    """Writes the missing files of the entries it is given (`add`), arrays first, by a few threads while the caller
+    builds the next entries; on leaving the block (durable) a syncfs, then the descriptions, then a syncfs again.
+    An entry built for other data than today's is refused before its files are written.
+
+    The threads: creating a small file costs ~1 ms of metadata work in the kernel here (ext4 under load; more on a
+    network file system) and ~60 us of Python; threads overlap the waits."""
+
+    def __init__(self, directory: Path, stats: CacheStats, durable: bool, progress: Callable | None) -> None:
+        self.directory, self.stats, self.durable, self.progress = directory, stats, durable, progress
+        directory.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(directory)  # the temporaries of a killed run
+        self.names = set(os.listdir(directory))  # one listing, not 10,000 stats
+        self.recorded = _read_records(directory / ".corpusforge")
+        self.pool = ThreadPoolExecutor(_WRITERS, thread_name_prefix="prepare-cache")
+        self.pending: list[Any] = []
+        self.arrays: list[Path] = []
+        self.descriptions: list[tuple[Path, str]] = []
+        self.fresh: dict[str, Any] = {}
+        self.done = 0
+
+    def add(self, entry: _Entry) -> None:
         wanted = [f"{entry.base}-{name}.npy" for name in _ARRAY_NAMES[entry.base.split("-")[1]]]
         desc = f"{entry.base}-description.txt"
-        missing = [n for n in wanted if n not in names]
-        stats.found_files += len(wanted) - len(missing) + (desc in names and not missing)
-        for name in missing:
-            jobs.append((directory / name, functools.partial(_array_of, entry, name[len(entry.base) + 1 : -4])))
-        if desc not in names or missing:
-            descriptions.append((directory / desc, entry.description))
-    fresh = {e.base: e.data for e in entries if e.data is not None and recorded.get(e.base) != e.data}
-    if fresh:  # one record file per run, not one per entry: thousands of files cost more than their bytes
-        records.mkdir(exist_ok=True)
-        name = f"{_md5(json.dumps(sorted(fresh)))}.json"
-        write_json_atomic(records / name, fresh, indent=None, sort_keys=True, durable=False)
-    done = [0]
-    total = len(jobs) + len(descriptions)
+        if entry.data is not None:
+            known = self.recorded.get(entry.base)
+            if known is not None and desc in self.names:
+                _check_data(known, entry, self.directory)
+            if known != entry.data:
+                self.fresh[entry.base] = entry.data
+        missing = [n for n in wanted if n not in self.names]
+        self.stats.entries += 1
+        self.stats.found_files += len(wanted) - len(missing) + (desc in self.names and not missing)
+        if missing:
+            arrays = entry.arrays()
+            for name in missing:
+                path = self.directory / name
+                self.arrays.append(path)
+                self.pending.append(self.pool.submit(self._write, path, arrays[name[len(entry.base) + 1 : -4]]))
+        if desc not in self.names or missing:
+            self.descriptions.append((self.directory / desc, entry.description))
 
-    def write(path: Path, content: Any) -> None:
-        if path.name.endswith("-description.txt") and path.exists():
-            path.unlink()  # its arrays were rewritten: it stops counting as complete before they are
-        with atomic_write(path, durable=False) as f:
-            if isinstance(content, str):
-                f.write(content.encode())
-            else:
-                _save_npy(f, content())
-        done[0] += 1
-        if progress is not None:
-            progress("writing", done[0], total)
+    def _write(self, path: Path, content: np.ndarray | str) -> int:
+        if isinstance(content, str):
+            data = content.encode()
+            if path.exists():
+                path.unlink()  # its arrays were rewritten: it stops counting as complete before they are
+            with atomic_write(path, durable=False) as f:
+                f.write(data)
+            size = len(data)
+        else:
+            with atomic_write(path, durable=False) as f:
+                size = _save_npy(f, content)
+        self.done += 1  # for the progress line only (threads: a count may be lost)
+        if self.progress is not None:
+            self.progress("writing", self.done, len(self.arrays) + len(self.descriptions))
+        return size
 
-    with ThreadPoolExecutor(_WRITERS) as pool:
-        list(pool.map(lambda job: write(*job), jobs))
-        if durable and jobs:
-            _sync(directory, [p for p, _ in jobs])
-        # Last: megatron-core takes an entry whose four files exist as complete, so its description goes last.
-        list(pool.map(lambda job: write(*job), descriptions))
-    if durable and descriptions:
-        _sync(directory, [p for p, _ in descriptions])
-    written = [p for p, _ in jobs] + [p for p, _ in descriptions]
-    stats.written_files = len(written)
-    stats.written_bytes = sum(p.stat().st_size for p in written)
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            if kind is not None:
+                return
+            written = sum(f.result() for f in self.pending)
+            if self.fresh:  # one record file per run, not one per entry: thousands of files cost more than bytes
+                records = self.directory / ".corpusforge"
+                records.mkdir(exist_ok=True)
+                name = f"{_md5(json.dumps(sorted(self.fresh)))}.json"
+                write_json_atomic(records / name, self.fresh, indent=None, sort_keys=True, durable=False)
+            if self.durable and self.arrays:
+                _sync(self.directory, self.arrays)
+            # Last: megatron-core takes an entry whose files all exist as complete, so its description goes last.
+            written += sum(self.pool.map(lambda job: self._write(*job), self.descriptions))
+            if self.durable and self.descriptions:
+                _sync(self.directory, [p for p, _ in self.descriptions])
+            self.stats.written_files = len(self.arrays) + len(self.descriptions)
+            self.stats.written_bytes = written
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=kind is not None)
 
 
 # Threads that write the cache files. Measured here (ext4, a loaded machine): 3,000 small files through atomic_write
@@ -459,25 +498,25 @@ def write_entries(
 _WRITERS = 32
 
 
-def _array_of(entry: _Entry, name: str) -> np.ndarray:
-    return entry.arrays()[name]
-
-
 def _read_records(directory: Path) -> dict[str, Any]:
-    """base -> the data its entry was built from, over every run's record file (a damaged one is skipped)."""
+    """base -> the data its entry was built from, over every run's record file, the newest winning (a damaged
+    one is skipped)."""
     out: dict[str, Any] = {}
     if directory.is_dir():
-        for path in sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns):  # the newest wins
+        for path in sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns):
             with contextlib.suppress(OSError, ValueError):
                 out.update(json.loads(path.read_text()))
     return out
 
 
-def _save_npy(f: Any, array: np.ndarray) -> None:
-    """np.save(f, array) as megatron-core calls it: the 1.0 header, then the array's bytes (one write)."""
+def _save_npy(f: Any, array: np.ndarray) -> int:
+    """np.save(f, array) as megatron-core calls it: the 1.0 header, then the array's bytes; returns the bytes."""
     array = np.ascontiguousarray(array)
-    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    f.write(header.getvalue())
     f.write(memoryview(array.reshape(-1).view(np.uint8)))
+    return len(header.getvalue()) + array.nbytes
 
 
 def _check_data(recorded: Any, entry: _Entry, directory: Path) -> None:
