@@ -46,6 +46,7 @@ BASE_ARGS = {
     "train": [],
     "megatron-preprocess": [],
     "export-hf": ["run", "--output", "hf"],
+    "prepare-cache": [],
 }
 BAD = {
     "size": ["-5", "1e400k", "inf", "nan", "-inf", "9e18", "12x", ""],
@@ -225,6 +226,7 @@ def _cases(d: Path) -> list[tuple[list[str], str]]:
         (["bench-io", str(d / "nodir"), "--pattern", "seq-read"], "nodir"),
         (["train", "bogus.key=1"], "unknown key 'bogus.key'"),
         (["export-hf", str(d / "norun"), "--output", str(d / "hf")], "norun"),
+        (["prepare-cache", "--config", str(d / "noconfig.toml")], "noconfig.toml"),
         (
             ["megatron-preprocess", "--input", str(d / "nope.jsonl"), "--output-prefix", "o"]
             + ["--tokenizer-type", "GPT2BPETokenizer"],

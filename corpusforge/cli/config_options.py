@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from corpusforge.cli.types import CountList, Seconds, Size, SizeList
+from corpusforge.cli.types import COUNT, CountList, Seconds, Size, SizeList
 from corpusforge.configs import field_default, field_docs
 from corpusforge.executors import EXECUTORS
 from corpusforge.sizes import human_bytes
@@ -148,7 +148,7 @@ def executor_opts(tasks: str) -> tuple[Opt, ...]:
     return (
         Opt("executor", choices=EXECUTORS,
             help="local: worker processes here; ray: Ray tasks on a cluster whose nodes share the file system."),
-        Opt("workers", type=click.IntRange(min=0), show_default=False,
+        Opt("workers", type=COUNT, show_default=False,
             help=f"{tasks} at once [default: one per core; with --executor ray, every CPU of the cluster]."),
         Opt("ray_address", help="Ray cluster to join, e.g. auto (the one `ray start` made here) [default: a new one "
             "on this machine]."),

@@ -8,7 +8,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options, executor_opts
-from corpusforge.cli.types import Size, counted
+from corpusforge.cli.types import Size
 from corpusforge.preprocess import PreprocessConfig, preprocess
 from corpusforge.tokenizers import ENGINES
 
@@ -27,7 +27,7 @@ PREPROCESS_OPTIONS = config_options(
     Opt("resume", help="Continue an interrupted run from its finished parts."),
     Opt("task_bytes", "--task-size", type=Size(), show_default=False,
         help="Input bytes per task, e.g. 64M [default: ~8 tasks per worker, 1-64 MiB]."),
-    *counted(executor_opts("Tasks")),
+    *executor_opts("Tasks"),
     Opt("retries", type=click.IntRange(min=0)),
     exclude=("inputs", "merge_on_workers", "level", "tokenizer_factory", "keep_empty"),
 )  # fmt: skip

@@ -10,7 +10,7 @@ import click
 
 from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options, executor_opts
-from corpusforge.cli.types import COUNT, Size, counted
+from corpusforge.cli.types import COUNT, Size
 from corpusforge.retro.config import BuildConfig
 
 # what each stage's bar counts
@@ -39,7 +39,7 @@ BUILD_OPTIONS = config_options(
     Opt("index_on_disk", "--index-on-disk/--index-in-ram",
         help="Merge an IVF index's lists into index/index.ivfdata (searched memory-mapped) [default: when the "
         "planned index needs more than half of this machine's RAM]."),
-    *counted(executor_opts("Shard tasks (chunking, embedding, index add, neighbours)")),
+    *executor_opts("Shard tasks (chunking, embedding, index add, neighbours)"),
     exclude=("prefix",),
 )  # fmt: skip
 

@@ -6,7 +6,6 @@ the option's name, before any work starts.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import click
@@ -119,12 +118,3 @@ class Count(click.IntRange):
 
 COUNT = Count()
 """A positive whole number (workers, chunks, steps, files, processes)."""
-
-
-def counted(opts: tuple, fields: tuple[str, ...] = ("workers",)) -> tuple:
-    """`opts` (config_options' Opt specs) with COUNT as the type of `fields`: executor_opts declares --workers
-    x>=0, and a count of workers must be positive (0 is neither a worker nor "the default").
-
-    Example: config_options(PreprocessConfig, *counted(executor_opts("Tasks")))
-    """
-    return tuple(dataclasses.replace(o, type=COUNT) if o.field in fields else o for o in opts)
