@@ -283,9 +283,15 @@ def main() -> None:
         results[mode] = _run(overlay, test, env, a.timeout)
         for name, r in results[mode]["tests"].items():
             print(f"  {mode:12s} {name:45s} {r['outcome']:8s} {r['seconds']:7.1f} s  {r['message'][:100]}", flush=True)
+    same_failures = {}
     if a.only is None:
         print("the tests' inputs and flags through both scripts ...", flush=True)
         identical = _compare_outputs(work, checkout, test, env)
+        for name, theirs in results["megatron"]["tests"].items():  # a test failing for both: the same assertion?
+            ours = results["corpusforge"]["tests"].get(name, {})
+            if theirs["outcome"] == "failed" and ours.get("outcome") == "failed":
+                # the first line names the dataset (Megatron's partition datasets, test_0_..., sort first)
+                same_failures[name] = theirs["message"].split("\n", 1)[1:] == ours["message"].split("\n", 1)[1:]
 
     record = {
         "date": date.today().isoformat(),
@@ -298,6 +304,7 @@ def main() -> None:
         "substitutions": substitutions,
         "results": results,
         "outputs_identical": identical,
+        "failing_for_both_with_the_same_assertion": same_failures,
         "notes": [
             "test_preprocess_data_bert is marked flaky and flaky_in_dev: Megatron's CI deselects it in both "
             "environments (tests/unit_tests/run_ci_test.sh). It fails with Megatron's own script too: it compares "

@@ -125,7 +125,7 @@ def test_damaged_tokenizer_file_is_one_line_naming_flag_and_file(kind, flag, key
     with pytest.raises(megatron.MegatronTokenizerError) as e:
         megatron.run(argv)
     _assert_one_line(str(e.value), flag, str(path))
-    assert not (tmp_path / "out").exists() or not [p for p in (tmp_path / "out").iterdir() if p.name != ".corpusforge"]
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 HF_DAMAGES = {
@@ -194,7 +194,7 @@ def test_cli_prints_one_line_and_exits_1(good, tmp_path):
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("corpusforge: error: --merge-file ") and str(bad) in lines[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".corpusforge", "merges.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merges.txt"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

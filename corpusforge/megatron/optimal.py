@@ -31,13 +31,14 @@ Example:
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from corpusforge.errors import ArgumentError
-from corpusforge.megatron.outputs import check_output, work_prefix
+from corpusforge.megatron.outputs import check_output, remove_if_empty, work_prefix
 from corpusforge.megatron.partitions import preprocess_dealt
 from corpusforge.megatron.tokenizers import open_json_lines
 from corpusforge.preprocess import PreprocessConfig, preprocess
@@ -98,20 +99,20 @@ def find_optimal_workers(
 ) -> WorkerSearch:
     """Time `config` (dealt over `deal` partitions when > 1) with each count of `workers_to_check` on the first
     `max_documents` records of its inputs; `announce(line)` is told "Processing data with N workers." before each.
-    Leaves nothing behind but the hidden directory."""
+    Leaves nothing behind (the output directory is made, as for a run)."""
     if not workers_to_check or min(workers_to_check) < 1:
         raise ArgumentError(f"--workers-to-check {' '.join(map(str, workers_to_check))}: give counts of 1 or more")
     if max_documents < 1:
         raise ArgumentError(f"--max-documents {max_documents}: give a count of 1 or more")
-    check_output(config.output_prefix, config.output_prefixes())
+    work = check_output(config.output_prefix, config.output_prefixes())
     sample = Path(f"{work_prefix(config.output_prefix)}.optimal-sample.jsonl")
-    documents = _sample(config.inputs, sample, max_documents)
     trials = []
     try:
+        documents = _sample(config.inputs, sample, max_documents)
         for workers in workers_to_check:
             if announce:
                 announce(f"Processing data with {workers} workers.")
-            trial = replace(config, inputs=(os.fspath(sample),), workers=workers, resume=False,
+            trial = replace(config, inputs=(glob.escape(os.fspath(sample)),), workers=workers, resume=False,
                             output_prefix=f"{work_prefix(config.output_prefix)}.optimal-{workers}")  # fmt: skip
             stats = preprocess_dealt(trial, deal) if deal > 1 else preprocess(trial)
             seconds = max(stats.seconds, 1e-9)
@@ -121,6 +122,7 @@ def find_optimal_workers(
     finally:
         size = sample.stat().st_size if sample.exists() else 0
         sample.unlink(missing_ok=True)
+        remove_if_empty(work)
     trials.sort(key=lambda t: t.docs_per_s, reverse=True)
     return WorkerSearch(trials, documents, size)
 

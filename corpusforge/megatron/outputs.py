@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -65,19 +66,28 @@ def preprocess_megatron(
     Example: preprocess_megatron(PreprocessConfig(("c.jsonl",), "out/c", keep_empty=True)).outputs
     -> ['out/c_text_document']
     """
-    check_output(config.output_prefix, config.output_prefixes())
+    work = check_output(config.output_prefix, config.output_prefixes())
     stage = staged(config)
-    if config.resume:
-        if (done := _finished(config, deal)) is not None:
-            return done
-        staged_record = Path(f"{stage.output_prefix}.preprocess.json")
-        if _matches(staged_record, config, deal):  # killed while renaming: finish that
-            return _publish(config, stage, None)
-    if deal > 1:
-        stats = preprocess_dealt(stage, deal, on_progress)
-    else:
-        stats = preprocess(stage, on_progress=on_progress)
-    return _publish(config, stage, stats)
+    try:
+        if config.resume:
+            if (done := _finished(config, deal)) is not None:
+                return done
+            staged_record = Path(f"{stage.output_prefix}.preprocess.json")
+            if _matches(staged_record, config, deal):  # killed while renaming: finish that
+                return _publish(config, stage, None)
+        if deal > 1:
+            stats = preprocess_dealt(stage, deal, on_progress)
+        else:
+            stats = preprocess(stage, on_progress=on_progress)
+        return _publish(config, stage, stats)
+    finally:
+        remove_if_empty(work)
+
+
+def remove_if_empty(work: Path) -> None:
+    """The hidden directory goes when nothing is in it (a run that failed before writing, a worker search)."""
+    with contextlib.suppress(OSError):
+        work.rmdir()
 
 
 def check_output(prefix: str, finals: list[str]) -> Path:
