@@ -89,13 +89,13 @@ def prepare_cache_cmd(config_path, overrides, dp_size, megatron, progress, as_js
 
 @contextlib.contextmanager
 def _progress_bar(enabled: bool) -> Iterator:
-    """A bar over the cache entries on a terminal (entries written per second, ETA); nothing in a pipe."""
+    """A bar over the cache files on a terminal (files written, ETA); nothing in a pipe."""
     if not enabled:
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("entries"),
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
                    TimeRemainingColumn(), console=_report.err_console, transient=True)  # fmt: skip
     task = bar.add_task("writing", total=None)
 

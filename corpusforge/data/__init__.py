@@ -8,29 +8,26 @@ Example:
     >>> state = loader.state_dict()
 """
 
-from corpusforge.data.blended import BlendedDataset, parse_blend
-from corpusforge.data.builder import build_gpt_datasets, read_modes
-from corpusforge.data.cache import CacheMismatchError, IndexCache
-from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from corpusforge.data.loader import Loader, LoaderStateError, PretrainingBatchSampler, make_loader
-from corpusforge.data.prepare_cache import MegatronCacheConfig, prepare_megatron_cache, prepare_train_cache
-from corpusforge.storage import StorageConfig
+from corpusforge.lazy_exports import lazy_exports
 
-__all__ = [
-    "BlendedDataset",
-    "CacheMismatchError",
-    "GPTDataset",
-    "GPTDatasetConfig",
-    "IndexCache",
-    "Loader",
-    "LoaderStateError",
-    "MegatronCacheConfig",
-    "PretrainingBatchSampler",
-    "StorageConfig",
-    "build_gpt_datasets",
-    "make_loader",
-    "parse_blend",
-    "prepare_megatron_cache",
-    "prepare_train_cache",
-    "read_modes",
-]
+# Imported on first use: the CLI reads MegatronCacheConfig to make prepare-cache's options, and `corpusforge --help`
+# must not start numba (the index kernels' modules load it).
+_EXPORTS = {
+    "BlendedDataset": "blended",
+    "CacheMismatchError": "cache",
+    "GPTDataset": "gpt_dataset",
+    "GPTDatasetConfig": "gpt_dataset",
+    "IndexCache": "cache",
+    "Loader": "loader",
+    "LoaderStateError": "loader",
+    "MegatronCacheConfig": "prepare_cache",
+    "PretrainingBatchSampler": "loader",
+    "StorageConfig": "builder",
+    "build_gpt_datasets": "builder",
+    "make_loader": "loader",
+    "parse_blend": "blended",
+    "prepare_megatron_cache": "prepare_cache",
+    "prepare_train_cache": "prepare_cache",
+    "read_modes": "builder",
+}
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -51,21 +51,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corpusforge.data.blended import (
-    BlendedDataset,
-    build_blending_indices,
-    normalize,
-    parse_blend,
-    samples_per_dataset,
-)
 from corpusforge.data.cache import CacheMismatchError, describe_dataset, describe_differences, wait_for_index_caches
-from corpusforge.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, parse_split, split_ranges
 from corpusforge.errors import ArgumentError
 from corpusforge.fsutil import atomic_write, fsync_dir, fsync_path, remove_leftovers, write_json_atomic
+
+if TYPE_CHECKING:
+    from corpusforge.data.blended import BlendedDataset
+    from corpusforge.data.gpt_dataset import GPTDataset
+
+# The index modules (blended, gpt_dataset) are imported where used: this module's MegatronCacheConfig makes the CLI's
+# options, and `corpusforge --help` must not start numba.
+SPLIT_NAMES = ("train", "valid", "test")
 
 # ---------------------------------------------------------------------------------------------------------------
 # the configurations
@@ -202,6 +202,8 @@ def megatron_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | N
         >>> megatron_blend(["30", "a", "70", "b"])
         (['a', 'b'], [30.0, 70.0])
     """
+    from corpusforge.data.blended import parse_blend
+
     items = list(data_path)
     if len(items) % 2 == 0:
         try:
@@ -223,6 +225,8 @@ def megatron_split_matrix(split: str) -> list[tuple[float, float] | None]:
         >>> megatron_split_matrix("99,1")
         [(0, 0.99), (0.99, 1.0), None]
     """
+    from corpusforge.data.gpt_dataset import parse_split
+
     expansion: list[float] = [0]
     for w in parse_split(split):
         expansion.append(expansion[-1] + w)
@@ -343,6 +347,8 @@ def prepare_megatron_cache(
         ...     train_samples=1000, valid_samples=10, test_samples=0, vocab_size=50257)).written_files
         8
     """
+    from corpusforge.data.blended import BlendedDataset, build_blending_indices, normalize, samples_per_dataset
+    from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig, split_ranges
     from corpusforge.storage.datasets import open_datasets
 
     t0 = time.perf_counter()
