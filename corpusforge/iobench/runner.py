@@ -125,7 +125,7 @@ def check_path(path: str, config: BenchConfig, world: int) -> None:
         if st.f_blocks and need > free:  # f_blocks 0: size unknown (a fresh Ceph cluster reports 0 until stats come)
             raise BenchError(
                 f"{path}: the run needs {human_bytes(need)} but only {human_bytes(free)} is free; "
-                "lower --file-size, --procs or --checkpoint-size, or free space"
+                "lower --file-size, --procs or --checkpoint-size (--scale with --mlperf), or free space"
             )
         quota = cephfs_quota_free(path)
         if quota is not None and need > quota:
