@@ -222,7 +222,7 @@ def test_a_blend_reports_the_first_missing_file_in_its_order(tmp_path):
     prefixes = small_blend(tmp_path)
     os.remove(f"{prefixes[5]}.bin")
     os.remove(f"{prefixes[9]}.idx")
-    with pytest.raises(FileNotFoundError, match=r"s05_text_document.*missing .*s05_text_document\.bin"):
+    with pytest.raises(FileNotFoundError, match=r"s05_text_document\.bin: no such file"):
         open_datasets(prefixes)
 
 

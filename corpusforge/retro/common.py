@@ -39,12 +39,7 @@ def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
 def open_dataset(prefix: str | os.PathLike) -> indexed.IndexedDataset:
     """Open a token dataset, with one line naming the missing file rather than a traceback."""
     prefix = os.fspath(prefix)
-    for suffix in (".bin", ".idx"):
-        if not Path(prefix + suffix).is_file():
-            raise RetroError(
-                f"{prefix}{suffix}: no such file; give the dataset prefix without .bin/.idx "
-                f"(e.g. out/corpus_text_document, as written by `corpusforge preprocess`)"
-            )
+    indexed.require_pair(prefix, "a dataset")  # the one resolver: an interrupted write, `out/tiny` meant, ...
     return indexed.IndexedDataset(prefix)
 
 

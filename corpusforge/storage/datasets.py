@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from corpusforge.fsutil import is_url
-from corpusforge.indexed import IndexedDataset, IndexedFormatError, OpenedIndex, open_index
+from corpusforge.indexed import IndexedDataset, IndexedFormatError, OpenedIndex, open_index, require_pair
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.local_cache import LocalCache, ReaderPin
 from corpusforge.storage.read_mode import SMALL_GROUP_MIN, choose_read_modes
@@ -42,12 +42,7 @@ def open_dataset(prefix: str | os.PathLike, config: StorageConfig | None = None)
         path, pin = cache.fetch_pinned(text, verify_sha256=config.verify_sha256)
         return _open(path, config, text, pin)
     if not is_url(text):
-        missing = [p for p in (f"{text}.idx", f"{text}.bin") if not os.path.isfile(p)]
-        if missing:
-            raise FileNotFoundError(
-                f"dataset prefix {text!r}: missing {' and '.join(missing)}; a prefix names the pair PREFIX.bin/.idx "
-                f"(e.g. out/corpus_text_document, without the extension) as written by `corpusforge preprocess`"
-            )
+        require_pair(text, "a dataset")  # a FileNotFoundError saying why: interrupted write, `out/tiny` meant, ...
     return _open(text, config, text)
 
 

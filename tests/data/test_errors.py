@@ -8,13 +8,18 @@ from corpusforge.data import build_gpt_datasets, parse_blend
 
 
 def test_missing_prefix(corpora, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope_text_document.*missing .*nope_text_document\.idx"):
+    with pytest.raises(FileNotFoundError, match=r"nope_text_document\.idx: no such file \(a dataset is the pair"):
         build_gpt_datasets([corpora[0], 0.5, str(tmp_path / "nope_text_document"), 0.5], 32, num_samples=(10, 1, 1))
 
 
-def test_prefix_given_with_extension(corpora):
-    with pytest.raises(FileNotFoundError, match="without the extension"):
-        build_gpt_datasets(corpora[0] + ".bin", 32, num_samples=(10, 1, 1))
+def test_prefix_given_with_extension_or_as_preprocess_was_told(corpora):
+    """The loaders resolve a prefix as inspect does (indexed.require_pair): `x.bin` and preprocess's own
+    --output-prefix point to the dataset, and a .bin without its .idx is an interrupted write, never a dataset."""
+    prefix = corpora[0]
+    with pytest.raises(FileNotFoundError, match=f"no dataset at {prefix}.bin; did you mean {prefix}?"):
+        build_gpt_datasets(prefix + ".bin", 32, num_samples=(10, 1, 1))
+    with pytest.raises(FileNotFoundError, match=f"did you mean {prefix}?"):
+        build_gpt_datasets(prefix.removesuffix("_text_document"), 32, num_samples=(10, 1, 1))
 
 
 @pytest.mark.parametrize(

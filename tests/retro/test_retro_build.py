@@ -238,7 +238,7 @@ def test_query_knn_shows_chunks_as_text(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["/nonexistent/corpus_text_document"], "corpus_text_document.bin: no such file"),
+        (["/nonexistent/corpus_text_document"], "corpus_text_document.idx: no such file"),
         (["{data}", "--max-index-memory", "1K"], "too small for any index"),
         (["{data}", "--index-key", "IVF8,Flat", "--dim", "2048"], "needs 1..1024"),
     ],
