@@ -11,11 +11,6 @@ from corpusforge.cli import _report
 from corpusforge.cli.config_options import Opt, config_options
 from corpusforge.train.config import ExportConfig
 
-TOKENIZER_HELP = (
-    "Tokenizer to ship: an encoding name (cl100k_base, o200k_base, gpt2) or a .tiktoken, tokenizer.json or "
-    "sentencepiece .model path, as every command takes it; default: the one the run's data was written with."
-)
-
 
 @click.command("export-hf", cls=_report.Command)
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
@@ -23,17 +18,16 @@ TOKENIZER_HELP = (
     ExportConfig,
     Opt("output", type=click.Path(file_okay=False, path_type=Path)),
     Opt("checkpoint", type=click.Path(file_okay=False, path_type=Path)),
-    Opt("tokenizer", type=str, help=TOKENIZER_HELP, extra={"metavar": "NAME|PATH"}),  # a name, not only a path
+    Opt("tokenizer", extra={"metavar": "NAME|PATH"}),
     exclude=("run_dir",),
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing non-empty OUTPUT (swapped in one step).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def export_hf_cmd(run_dir, overwrite, as_json, **options) -> None:
+def export_hf_cmd(run_dir, as_json, **options) -> None:
     """Write RUN_DIR's model (GPT-2 or Llama family) and its tokenizer so that AutoModelForCausalLM and
     AutoTokenizer .from_pretrained(OUTPUT) load them; OUTPUT appears only once complete."""
     from corpusforge.train.export_hf import export_hf
 
-    done = export_hf(**asdict(ExportConfig(run_dir=run_dir, **options)), overwrite=overwrite)
+    done = export_hf(**asdict(ExportConfig(run_dir=run_dir, **options)))
     data = {
         "output": str(done.output),
         "checkpoint": str(done.checkpoint),

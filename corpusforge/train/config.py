@@ -953,5 +953,9 @@ class ExportConfig:
     checkpoint: Path | None = None
     """A step_* directory; default: the run's latest complete checkpoint."""
 
-    tokenizer: Path | None = None
-    """A Hugging Face tokenizer (directory or tokenizer.json) to ship with the model."""
+    tokenizer: str | None = None
+    """Tokenizer to ship: an encoding name (cl100k_base, o200k_base, gpt2) or a .tiktoken, tokenizer.json or
+    sentencepiece .model path, as every command takes it; default: the one the run's data was written with."""
+
+    overwrite: bool = False
+    """Replace an existing non-empty output directory (swapped in one step where the file system can)."""
