@@ -12,8 +12,9 @@ goes first, writing into an empty cache directory:
 - corpusforge: prepare_megatron_cache with the same arguments (temporary names and renames; with --fsync, the
   default, a syncfs before the descriptions and after them).
 
-Timed from the first line of work to the files complete (imports timed apart), and the whole process's wall time
-as the parent sees it. The last round checks that both directories hold the same file names with the same bytes.
+Timed from the first line of work to the files complete (imports timed apart; wall and CPU time, user + system
+of every thread: on a loaded machine the CPU time is the steadier figure), and the whole process's wall time as
+the parent sees it. The last round checks that both directories hold the same file names with the same bytes.
 Prints a table (medians, load average before and after each run) and writes JSON.
 """
 
@@ -82,13 +83,14 @@ def child(side: str, spec: dict) -> dict:
     imported = time.perf_counter() - t0
     blend = blend_list(make_datasets(Path(spec["work"]), spec["datasets"], spec["docs"]))
     cache = Path(spec["cache"])
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     (megatron_side if side == "megatron" else corpusforge_side)(blend, spec, cache)
-    seconds = time.perf_counter() - t0
+    seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     files = [n for n in os.listdir(cache) if not n.startswith(".")]
     return {
         "import_s": round(imported, 3),
         "build_s": round(seconds, 3),
+        "build_cpu_s": round(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, 3),  # every thread, user + sys
         "files": len(files),
         "bytes": sum((cache / n).stat().st_size for n in files),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -146,9 +148,10 @@ def main() -> None:
     identical = same_files(caches["megatron"], caches["corpusforge"])
     for cache in caches.values():
         shutil.rmtree(cache)
-    keys = ("import_s", "build_s", "process_wall_s", "peak_rss_mb")
+    keys = ("import_s", "build_s", "build_cpu_s", "process_wall_s", "peak_rss_mb")
     medians = {side: {k: round(statistics.median(x[k] for x in rs), 3) for k in keys} for side, rs in runs.items()}
     ratio = round(medians["megatron"]["build_s"] / medians["corpusforge"]["build_s"], 2)
+    cpu_ratio = round(medians["megatron"]["build_cpu_s"] / medians["corpusforge"]["build_cpu_s"], 2)
     wall_ratio = round(medians["megatron"]["process_wall_s"] / medians["corpusforge"]["process_wall_s"], 2)
     report = {
         "benchmark": "prepare-cache --megatron",
@@ -162,6 +165,7 @@ def main() -> None:
         },
         "medians": medians,
         "build_ratio_megatron_over_corpusforge": ratio,
+        "build_cpu_ratio_megatron_over_corpusforge": cpu_ratio,
         "process_wall_ratio_megatron_over_corpusforge": wall_ratio,
         "same_files_same_bytes": identical,
         "files": runs["megatron"][-1]["files"],
@@ -173,7 +177,7 @@ def main() -> None:
         print(
             f"{side:16s} {m['import_s']:9.3f} {m['build_s']:9.3f} {m['process_wall_s']:10.3f} {m['peak_rss_mb']:8.1f}"
         )
-    print(f"\nbuild: megatron-core / corpusforge = {ratio}x (whole process {wall_ratio}x); "
+    print(f"\nbuild: megatron-core / corpusforge = {ratio}x (CPU {cpu_ratio}x, whole process {wall_ratio}x); "
           f"{report['files']:,} files, same names and bytes: {identical}")  # fmt: skip
     print(f"wrote {out}")
     if not identical:
