@@ -13,8 +13,9 @@ to the hidden directory `{output dir}/.corpusforge/`, which Megatron's tools, `l
     .corpusforge/{name}.staged_{key}_{level}.*    the finished datasets, until renamed to their final names
     .corpusforge/{name}.staged.preprocess.json    their record, until then
 
-The output directory only receives renames (the same file system): per key the final .idx is removed, the .bin
-renamed, then the .idx, so a reader finds the old pair, no .idx, or the new pair. A run killed at any point is
+The output directory only receives renames (the same file system), per key through indexed.publish_pair, the one
+commit of a pair: the final .idx removed, the .bin renamed, then the .idx, so a reader finds the old pair, no .idx,
+or the new pair. A run killed at any point is
 finished by `--resume` (tokenizing from the parts, renaming from the staged record); a finished one is not redone.
 
 Example:
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from corpusforge import indexed
 from corpusforge.errors import ArgumentError
-from corpusforge.fsutil import fsync_dir, write_json_atomic
+from corpusforge.fsutil import write_json_atomic
 from corpusforge.megatron.partitions import preprocess_dealt
 from corpusforge.preprocess import PreprocessConfig, PreprocessStats, Progress, preprocess, run_fingerprint
 
@@ -153,11 +154,7 @@ def _publish(config: PreprocessConfig, stage: PreprocessConfig, stats: Preproces
     for source, dest in zip(stage.output_prefixes(), config.output_prefixes()):
         if not indexed.idx_path(source).exists():
             continue  # renamed already: its .idx goes last
-        indexed.idx_path(dest).unlink(missing_ok=True)
-        if indexed.bin_path(source).exists():
-            os.replace(indexed.bin_path(source), indexed.bin_path(dest))
-        os.replace(indexed.idx_path(source), indexed.idx_path(dest))
-    fsync_dir(Path(config.output_prefix).parent)
+        indexed.publish_pair(indexed.bin_path(source), indexed.idx_path(source), dest)  # the one commit of a pair
     if stats is None:
         stats = PreprocessStats.from_dict(summary["stats"])
         stats.tasks_resumed = stats.tasks
