@@ -527,10 +527,12 @@ def _save_npy(f: Any, array: np.ndarray) -> int:
 def _check_data(recorded: Any, entry: _Entry, directory: Path) -> None:
     """Refuse an entry whose recorded data differs from today's: megatron-core would map its stale indices."""
     if recorded != json.loads(json.dumps(entry.data)):
-        diff = "; ".join(describe_differences(entry.data or {}, recorded)) or "(unknown)"
+        fields = [line.split(":")[0] for line in describe_differences(entry.data or {}, recorded)]
+        where = (entry.data or {}).get("dataset_path")
         raise CacheMismatchError(
-            f"{directory / entry.base}-description.txt: written for other data ({diff}); megatron-core would use "
-            f"its stale indices. Delete the files {entry.base}-* or point --data-cache-path elsewhere"
+            f"{directory / entry.base}-description.txt: written for other data ({where} changed: "
+            f"{', '.join(fields) or 'its record'}); megatron-core would use its stale indices. Delete the files "
+            f"{entry.base}-* or point --data-cache-path elsewhere"
         )
 
 
