@@ -194,3 +194,50 @@ def test_config_cache_is_what_the_trainer_maps(tmp_path, sets):
     assert data.train_samples == 20 * 128 // 32
     second = prepare_train_cache(cfg)
     assert second.written_files == 0 and second.found_files == summary["written_files"]
+
+
+KILLED_RUN = """
+import os, signal, sys
+import corpusforge.data.prepare_cache as pc
+write, count = pc._Writer._write, [0]
+
+def dying_write(self, path, content):  # SIGKILL once `after` files are complete: no cleanup runs
+    if count[0] >= int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    count[0] += 1
+    return write(self, path, content)
+
+pc._Writer._write = dying_write
+pc._WRITERS = 1
+prefixes = sys.argv[3:]
+pc.prepare_megatron_cache(pc.MegatronCacheConfig(tuple(prefixes), sys.argv[1], 32, split="80,20", train_samples=300,
+                                                 valid_samples=20, test_samples=0, vocab_size=1000))
+"""
+
+
+@pytest.mark.parametrize("after", [0, 5, 13, 24])  # 22 arrays, then the descriptions
+def test_megatron_killed_run_then_rerun_equals_an_uninterrupted_one(tmp_path, sets, after):
+    import subprocess
+    import sys
+
+    whole = tmp_path / "whole"
+    config = MegatronCacheConfig(tuple(sets), str(whole), 32, split="80,20", train_samples=300, valid_samples=20,
+                                 test_samples=0, vocab_size=VOCAB)  # fmt: skip
+    prepare_megatron_cache(config)
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, str(killed), str(after), *sets], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    left = {n for n in os.listdir(killed) if not n.startswith(".")}
+    if after < 22:  # killed among the arrays: no entry looks complete to megatron-core
+        assert left and not any(n.endswith("-description.txt") for n in left) or after == 0
+    prepare_megatron_cache(dataclasses_replace(config, data_cache_path=str(killed)))
+    names = sorted(n for n in os.listdir(whole) if not n.startswith("."))
+    assert sorted(n for n in os.listdir(killed) if not n.startswith(".")) == names
+    for name in names:
+        assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
