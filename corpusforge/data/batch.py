@@ -51,6 +51,12 @@ class RawBatch:
     dataset_id: np.ndarray | None = None
     """(B,) int32: for a blend, the dataset each sample came from."""
 
+    cu_seqlens: np.ndarray | None = None
+    """(B, S + 1) int32: with document_boundaries, where each sample's documents start, then S, padded with S."""
+
+    max_seqlen: np.ndarray | None = None
+    """(B,) int32: with document_boundaries, each sample's longest document."""
+
 
 def assemble(
     raw: RawBatch, config: GPTDatasetConfig, as_torch: bool = False, pin_memory: bool = False
@@ -64,6 +70,8 @@ def assemble(
         torch.Size([2, 4])
     """
     b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
+    if raw.cu_seqlens is not None:
+        return _assemble_with_boundaries(raw, config, as_torch, pin_memory)
     if not config.create_attention_mask:  # every field in one compiled pass, into one (4, B, S) block
         if as_torch and raw.dataset_id is None:
             block = torch_block(b, s, pin_memory)
@@ -81,6 +89,58 @@ def assemble(
     if raw.dataset_id is not None:
         batch["dataset_id"] = raw.dataset_id
     return to_torch(batch, pin_memory) if as_torch else batch
+
+
+def _assemble_with_boundaries(raw: RawBatch, config: GPTDatasetConfig, as_torch: bool, pin_memory: bool) -> dict:
+    """assemble for a raw batch that carries document boundaries: the four fields, cu_seqlens and max_seqlen (in
+    one storage as torch tensors), position ids restarting at each document."""
+    b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
+    if as_torch and raw.dataset_id is None:
+        block, cu_seqlens, max_seqlen = boundary_block(b, s, pin_memory)
+        fill_fields(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
+        cu_seqlens.numpy()[:] = raw.cu_seqlens
+        max_seqlen.numpy()[:] = raw.max_seqlen
+        reset_positions(raw.cu_seqlens, block.numpy()[3])
+        return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+    array = np.empty((4, b, s), np.int32)
+    fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
+    reset_positions(raw.cu_seqlens, array[3])
+    batch = {**batch_fields(array), "cu_seqlens": raw.cu_seqlens, "max_seqlen": raw.max_seqlen}
+    if raw.dataset_id is not None:
+        batch["dataset_id"] = raw.dataset_id
+    return to_torch(batch, pin_memory) if as_torch else batch
+
+
+def boundary_block(b: int, s: int, pin_memory: bool = False) -> tuple[Any, Any, Any]:
+    """Uninitialised int32 torch views of one storage: the (4, B, S) block of torch_block, cu_seqlens (B, S + 1) and
+    max_seqlen (B,) (one storage: a DataLoader worker passes one file descriptor per storage).
+
+    Example:
+        >>> [t.shape for t in boundary_block(2, 4)]
+        [torch.Size([4, 2, 4]), torch.Size([2, 5]), torch.Size([2])]
+    """
+    torch = _torch()
+    flat = torch.empty(4 * b * s + b * (s + 1) + b, dtype=torch.int32, pin_memory=pin_memory)
+    end = 4 * b * s + b * (s + 1)
+    return flat[: 4 * b * s].view(4, b, s), flat[4 * b * s : end].view(b, s + 1), flat[end:]
+
+
+@njit(nogil=True)
+def reset_positions(cu_seqlens, positions) -> None:
+    """positions[b, t] = t - the start of t's document, for documents cu_seqlens[b] (S + 1,): what Megatron-LM sets
+    with inter-document masking (each document piece counts from 0, whatever reset_position_ids says).
+
+    Example:
+        >>> p = np.zeros((1, 4), np.int32); reset_positions(np.array([[0, 3, 4, 4, 4]], np.int32), p); p.tolist()
+        [[0, 1, 2, 0]]
+    """
+    for b in range(positions.shape[0]):
+        cu, row = cu_seqlens[b], positions[b]
+        for k in range(len(cu) - 1):
+            if cu[k] >= len(row):  # the padding of cu_seqlens: no document past here
+                break
+            for t in range(cu[k], cu[k + 1]):
+                row[t] = t - cu[k]
 
 
 def torch_block(b: int, s: int, pin_memory: bool = False) -> Any:

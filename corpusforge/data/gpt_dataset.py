@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -53,9 +54,11 @@ from corpusforge.data.batch import (
     RawBatch,
     assemble,
     batch_fields,
+    boundary_block,
     fill_fields,
     fill_fields_numpy,
     kernel_options,
+    reset_positions,
     torch_block,
     torch_fields,
 )
@@ -120,6 +123,13 @@ class GPTDatasetConfig:
     mid_level_dataset_surplus: float = 0.005
     """Blends build each dataset this fraction larger than its share, so the blend never runs short."""
 
+    document_boundaries: bool = False
+    """Give each sample its document boundaries as variable-length attention takes them, as Megatron-LM does with
+    --dataloader-inter-document-masking (PR #5298; GPTDataset.__getitem__ at commit
+    d98e8a64ddf34856e74b24714e3bedb2f5a39553): `cu_seqlens` (S + 1,) int32, the starts of the sample's document
+    pieces then S, padded with S to a fixed length; `max_seqlen` int32, the longest piece; and position_ids restarting
+    at every piece (see _document_boundaries). Off: batches are unchanged."""
+
     def __post_init__(self) -> None:
         if self.seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {self.seq_length}")
@@ -129,6 +139,9 @@ class GPTDatasetConfig:
         if self.pad_token_id is not None and self.pad_token_id == self.eod_token_id:
             # Megatron warns and drops the pad id (megatron_dataset.py); a silent change of the loss is worse.
             raise ValueError(f"pad_token_id {self.pad_token_id} is also the eod token; give a distinct pad id or None")
+        if self.document_boundaries and self.create_attention_mask:
+            # Megatron omits the attention mask with inter-document masking: the boundaries replace it
+            raise ValueError("document_boundaries replaces create_attention_mask: ask for one of them")
         parse_split(self.split)
 
     @property
@@ -149,7 +162,10 @@ class GPTDatasetConfig:
         }
 
     def describe(self) -> dict[str, Any]:
-        return asdict(self)
+        described = asdict(self)
+        if not self.document_boundaries:  # a loader state saved before this option existed still matches
+            del described["document_boundaries"]
+        return described
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -600,6 +616,9 @@ def _gather(
 # What _gather is given as `block` when only the text is wanted.
 _NO_FIELDS = np.empty((4, 0, 0), np.int32)
 
+# What _document_boundaries is given as `positions` when only the boundaries are wanted.
+_NO_POSITIONS = np.empty((0, 0), np.int32)
+
 # Samples a process reads through _gather_numpy before it loads _gather (~20-40 us a sample against ~5-15 us), and how
 # many it has read so.
 _NUMPY_SAMPLES = 64
@@ -630,6 +649,65 @@ def _gather_numpy(
         if filled < text.shape[1]:
             return 1
     fill_fields_numpy(text, options, block)
+    return 0
+
+
+@njit(nogil=True)
+def _document_boundaries(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, extra, cu_seqlens, max_seqlen, positions
+):  # fmt: skip
+    """cu_seqlens[b] (S + 1,) and max_seqlen[b] of samples `ids`, and, where `positions` has a row per sample, their
+    position ids restarting at each document piece (batch.reset_positions). Returns 0, -1 if an id is out of range,
+    -2 if a sample holds more than S pieces (empty documents; Megatron fails there too).
+
+    Megatron-LM's convention (GPTDataset.__getitem__ with inter_document_masking, commit d98e8a64ddf3): the boundaries
+    are those of the sample's document pieces as the indices cut them (not its eod tokens: a dataset without eod
+    tokens has them too); the extra token comes off the last piece, which is dropped if that empties it; the padding
+    of a short sample is folded into the last piece, so cu_seqlens[n] = S; the entries past the n + 1 used hold S
+    (so that samples stack); max_seqlen is the longest piece, padding included. A piece may be empty (a sample
+    starting at the end of a document without the extra token, an empty document): its boundary is repeated."""
+    s = cu_seqlens.shape[1] - 1
+    for b in range(len(ids)):
+        if ids[b] < 0 or ids[b] >= len(shuffle_index):
+            return -1
+        row = np.int64(shuffle_index[ids[b]])
+        first, first_off = np.int64(sample_index[row, 0]), np.int64(sample_index[row, 1])
+        last, last_off = np.int64(sample_index[row + 1, 0]), np.int64(sample_index[row + 1, 1])
+        pieces = last - first + 1
+        if pieces - 1 > s:
+            return -2
+        cu = cu_seqlens[b]
+        cu[0] = 0
+        total, length = np.int64(0), np.int64(0)
+        for k in range(pieces):
+            position = first + k
+            begin = first_off if k == 0 else 0
+            end = last_off + extra if position == last else np.int64(sequence_lengths[document_index[position]])
+            length = end - begin
+            total += length
+            if k < s:
+                cu[k + 1] = total
+        if extra:  # the extra token is the label of the last position, not a token of the sample
+            total -= 1
+            if length == 1:
+                pieces -= 1
+            elif pieces <= s:
+                cu[pieces] = total
+        if pieces > s:
+            return -2
+        if total < s:  # a padded sample: the padding joins the last piece (or is the only one)
+            if pieces == 0:
+                pieces = 1
+            cu[pieces] = s
+        longest = 0
+        for k in range(s + 1):
+            if k > pieces:
+                cu[k] = s
+            elif k > 0:
+                longest = max(longest, cu[k] - cu[k - 1])
+        max_seqlen[b] = longest
+    if positions.shape[0] == len(ids):
+        reset_positions(cu_seqlens, positions)
     return 0
 
 
@@ -816,6 +894,12 @@ class GPTDataset:
         assemble(self.read_raw(np.zeros(0, np.int64)), self.config)
         if direct:
             self._read_fields(np.zeros(0, np.int64), np.empty((4, 0, self.config.seq_length), np.int32))
+        if self.config.document_boundaries:
+            s = self.config.seq_length
+            for positions in (_NO_POSITIONS, np.empty((0, s), np.int32)):  # read_raw's call, then get_batch's
+                self._boundaries(
+                    np.zeros(0, np.int64), np.empty((0, s + 1), np.int32), np.empty(0, np.int32), positions
+                )
         _COMPILED.add(key)
 
     def _direct_args(self) -> tuple | None:
@@ -925,7 +1009,7 @@ class GPTDataset:
                 _NO_FIELDS,
             )
             if status == 0:
-                return RawBatch(text, maybe_padded=False)
+                return self._with_boundaries(ids, RawBatch(text, maybe_padded=False))
         if status < 0 or len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         # (P,) pieces: where each document piece of each sample starts in the token file, its length, and where
@@ -936,12 +1020,42 @@ class GPTDataset:
         values = indexed.read_spans(src, length)
         n = len(values)
         if n == len(ids) * width:  # every sample full: the pieces tile the text in order
-            return RawBatch(values.reshape(len(ids), width), maybe_padded=False)
+            return self._with_boundaries(ids, RawBatch(values.reshape(len(ids), width), maybe_padded=False))
         out = np.full((len(ids), width), self.config.pad, dtype=np.int32)
         flat_before = np.cumsum(length) - length
         step = np.arange(n, dtype=np.int64) - np.repeat(flat_before, length)
         out.reshape(-1)[np.repeat(dest, length) + step] = values
-        return RawBatch(out)
+        return self._with_boundaries(ids, RawBatch(out))
+
+    def _with_boundaries(self, ids: np.ndarray, raw: RawBatch) -> RawBatch:
+        """`raw` with the samples' document boundaries where the config asks for them."""
+        if not self.config.document_boundaries:
+            return raw
+        cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
+        max_seqlen = np.empty(len(ids), np.int32)
+        self._boundaries(ids, cu_seqlens, max_seqlen, _NO_POSITIONS)
+        return dataclasses.replace(raw, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+    def _boundaries(self, ids: np.ndarray, cu_seqlens: np.ndarray, max_seqlen: np.ndarray, positions: np.ndarray):
+        """Fill cu_seqlens (B, S + 1), max_seqlen (B,) and, given a row per sample, position ids (B, S) of samples
+        `ids` (_document_boundaries). Before numba has started in this process (a job's first samples come from
+        numpy: _read_fields), the kernel's Python function, so that the first sample does not wait for numba."""
+        kernel = _document_boundaries
+        if not (ready(kernel) or started()):
+            kernel = kernel.py_func
+        args = self.__dict__.get("_boundary_args")
+        if args is None:
+            indexed = self.indexed
+            arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
+            args = self._boundary_args = (*(np.asarray(a) for a in arrays), self.config.extra)
+        status = kernel(ids, *args, cu_seqlens, max_seqlen, positions)
+        if status == -1:
+            raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
+        if status == -2:
+            raise ValueError(
+                f"{self.indexed.prefix}: a sample of {self.config.seq_length} tokens spans more document pieces than "
+                "cu_seqlens holds (empty documents?); Megatron-LM fails there too"
+            )
 
     def _pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces)."""
@@ -962,7 +1076,12 @@ class GPTDataset:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         block = np.empty((4, len(ids), self.config.seq_length), np.int32)
         if self._read_fields(ids, block):
-            return batch_fields(block)
+            if not self.config.document_boundaries:
+                return batch_fields(block)
+            cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
+            max_seqlen = np.empty(len(ids), np.int32)
+            self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
+            return {**batch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
         return assemble(self.read_raw(ids), self.config)
 
     def _options(self) -> np.ndarray:
@@ -992,6 +1111,12 @@ class GPTDataset:
         sampler calls)."""
         prefetch_upcoming(self, ids)
         array = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if self.config.document_boundaries:
+            block, cu_seqlens, max_seqlen = boundary_block(len(array), self.config.seq_length)
+            if self._read_fields(array, block.numpy()):
+                self._boundaries(array, cu_seqlens.numpy(), max_seqlen.numpy(), block.numpy()[3])
+                return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+            return assemble(self.read_raw(array), self.config, as_torch=True)
         block = torch_block(len(array), self.config.seq_length)
         if self._read_fields(array, block.numpy()):
             return torch_fields(block)
@@ -1003,7 +1128,17 @@ class GPTDataset:
         Where samples are copied from a memory map: one compiled call from the map into a fresh (4, 1, S) block,
         then four torch views of it; measured per call (benchmarks/bench_loader.py --per-sample), the Python and
         torch calls around the copy cost more than the copy, so they are kept to the fewest."""
-        block = np.empty((4, 1, self.config.seq_length), np.int32)
+        s = self.config.seq_length
+        if self.config.document_boundaries:  # one storage: the block, then cu_seqlens (S + 1), then max_seqlen
+            flat = np.empty(5 * s + 2, np.int32)
+            block, ids = flat[: 4 * s].reshape(4, 1, s), np.array([i], np.int64)
+            if self._read_fields(ids, block):
+                self._boundaries(ids, flat[4 * s : 5 * s + 1].reshape(1, -1), flat[5 * s + 1 :], block[3])
+                tensor = _from_numpy(flat)
+                fields = torch_fields(tensor[: 4 * s].view(4, s))
+                return {**fields, "cu_seqlens": tensor[4 * s : 5 * s + 1], "max_seqlen": tensor[5 * s + 1]}
+            return {k: v[0] for k, v in self.__getitems__([i]).items()}
+        block = np.empty((4, 1, s), np.int32)
         if self._read_fields(np.array([i], np.int64), block):
             return torch_fields(_from_numpy(block.reshape(4, -1)))
         return {k: v[0] for k, v in self.__getitems__([i]).items()}
@@ -1013,6 +1148,7 @@ class GPTDataset:
         # (IndexedDataset.__reduce__), and cached indices are re-mapped by their paths.
         state = self.__dict__.copy()
         state.pop("_direct", None)  # holds the token memory map: rebuilt where it is unpickled
+        state.pop("_boundary_args", None)  # views of the indices: rebuilt where it is unpickled
         for name in ("document_index", "sample_index", "shuffle_index"):
             # slices of a blend's shared indices travel as the shared arrays (once per pickle) and a position
             state[name] = None if "_shared" in state else picklable(state[name])
