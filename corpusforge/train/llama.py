@@ -2,7 +2,8 @@
 
 Pre-RMSNorm blocks; rotary positions (RoPE, Su et al. 2021) with Llama 3.1's long-context frequency scaling;
 grouped-query attention (GQA, Ainslie et al. 2023: n_kv_head key/value heads shared by n_head / n_kv_head query heads
-each) through F.scaled_dot_product_attention; a SwiGLU MLP (Shazeer 2020: w2(silu(w1 x) * w3 x)); no biases; the
+each) through F.scaled_dot_product_attention (within each document of a packed sample, given `cu_seqlens`:
+doc_attention.py); a SwiGLU MLP (Shazeer 2020: w2(silu(w1 x) * w3 x)); no biases; the
 token embedding and the output head are separate matrices unless `tie_embeddings` (Llama 3.2 1B and 3B tie them).
 
 The rotary convention is Hugging Face's (`rotate_half`: the first and second halves of each head are the pairs),
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from corpusforge.train.doc_attention import DocumentMask, attend, document_mask
 from corpusforge.train.model import pad_vocab
 
 
@@ -131,7 +133,9 @@ class Attention(nn.Module):
         # no embedding: (hs/2,)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         cos, sin = rope_tables(self.inv_freq, position_ids, T, x.dtype)  # (B or 1, 1, T, hs)
         # -1 rather than n_head: under tensor parallelism each rank holds n_head / tp of the heads
@@ -142,7 +146,10 @@ class Attention(nn.Module):
         groups = q.size(1) // k.size(1)
         if groups > 1:  # each key/value head serves `groups` query heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:  # within documents
+            y = attend(q, k, v, mask)  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh*hs) -> (B, T, C)
 
 
@@ -167,8 +174,11 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), position_ids))
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        # the mask as a keyword: tensor parallelism's PrepareModuleInput lays out the positional inputs only
+        x = x + self.dropout(self.attention(self.attention_norm(x), position_ids, mask=mask))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -198,14 +208,19 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.inv_freq = rope_frequencies(self.cfg).to(block.attention.inv_freq.device)
 
-    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (B, T, V) of int64 tokens `idx` (B, T). A pipeline stage without the embedding takes the hidden
-        states (B, T, C) instead, and one without the head returns them."""
+        states (B, T, C) instead, and one without the head returns them. With `cu_seqlens` (B, T + 1), the documents
+        of each sample (the loaders' document_boundaries), attention stays within each document; give position_ids
+        restarting per document with them."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than block_size {self.cfg.block_size}")
         x = self.tok_embeddings(idx) if self.tok_embeddings is not None else idx  # (B, T, C)
+        mask = None if cu_seqlens is None else document_mask(cu_seqlens, cu_seqlens.shape[-1] - 1)  # once per forward
         for block in self.layers.values():
-            x = block(x, position_ids)
+            x = block(x, position_ids, mask=mask)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x  # (B, T, V)

@@ -1,8 +1,9 @@
 """A GPT-2-style decoder, small enough to read top to bottom (after nanoGPT's model.py).
 
 Pre-LayerNorm blocks, GELU MLP of width 4d, learned absolute positions, causal attention through
-F.scaled_dot_product_attention (FlashAttention kernels on GPU), the token embedding tied to the output head, and
-the vocabulary padded to a multiple of 128 so the head's matmul uses full tensor-core tiles (Karpathy: padding
+F.scaled_dot_product_attention (FlashAttention kernels on GPU; given the documents packed in each sample, `cu_seqlens`,
+causal within each document and blocked across them: doc_attention.py), the token embedding tied to the output head,
+and the vocabulary padded to a multiple of 128 so the head's matmul uses full tensor-core tiles (Karpathy: padding
 50257 to 50304 made nanoGPT ~25% faster). Padded rows never receive a target, so they only learn to be unlikely.
 
 Shapes: B batch, T sequence, C = n_embd, nh heads, hs = C / nh, V padded vocabulary.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from corpusforge.train.doc_attention import DocumentMask, attend, document_mask
 
 
 def pad_vocab(vocab_size: int, multiple: int = 128) -> int:
@@ -56,12 +59,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual = True  # scaled at init, see GPT._init_weights
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 rather than n_head: under tensor parallelism each rank holds n_head / tp of the heads
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
+        else:  # within documents
+            y = attend(q, k, v, mask, drop)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -87,8 +93,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        # the mask as a keyword: tensor parallelism's PrepareModuleInput lays out the positional inputs only
+        x = x + self.attn(self.ln_1(x), mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -149,9 +156,15 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         init_gpt2_weights(module, self.cfg.n_layer)
 
-    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (B, T, V) of int64 tokens `idx` (B, T); positions default to 0..T-1. A pipeline stage without the
-        embeddings (set to None) takes hidden states (B, T, C) instead, and one without the head returns them."""
+        embeddings (set to None) takes hidden states (B, T, C) instead, and one without the head returns them.
+
+        With `cu_seqlens` (B, T + 1), the documents of each sample as the loaders give them (document_boundaries),
+        attention stays within each document; give position_ids restarting per document with them (the loaders'
+        position_ids then do)."""
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
@@ -161,8 +174,9 @@ class GPT(nn.Module):
                 position_ids = torch.arange(T, device=idx.device)  # (T,)
             x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
             x = self.transformer.drop(x)
+        mask = None if cu_seqlens is None else document_mask(cu_seqlens, cu_seqlens.shape[-1] - 1)  # once per forward
         for block in self.transformer.h.values():
-            x = block(x)
+            x = block(x, mask=mask)
         if self.transformer.ln_f is not None:
             x = self.transformer.ln_f(x)
         return self.lm_head(x) if self.lm_head is not None else x  # (B, T, V)
