@@ -96,11 +96,10 @@ def _assemble_with_boundaries(raw: RawBatch, config: GPTDatasetConfig, as_torch:
     one storage as torch tensors), position ids restarting at each document."""
     b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
     if as_torch and raw.dataset_id is None:
-        block, cu_seqlens, max_seqlen = boundary_block(b, s, pin_memory)
-        fill_fields(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
-        cu_seqlens.numpy()[:] = raw.cu_seqlens
-        max_seqlen.numpy()[:] = raw.max_seqlen
-        reset_positions(raw.cu_seqlens, block.numpy()[3])
+        torch = _torch()
+        flat = torch.empty(b * (5 * s + 2), dtype=torch.int32, pin_memory=pin_memory)
+        _fill_bounded(raw.text, kernel_options(config, raw.maybe_padded), raw.cu_seqlens, raw.max_seqlen, flat.numpy())
+        block, cu_seqlens, max_seqlen = boundary_views(flat, b, s)
         return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
     array = np.empty((4, b, s), np.int32)
     fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
@@ -120,15 +119,32 @@ def boundary_block(b: int, s: int, pin_memory: bool = False) -> tuple[Any, Any, 
         [torch.Size([4, 2, 4]), torch.Size([2, 5]), torch.Size([2])]
     """
     torch = _torch()
-    flat = torch.empty(4 * b * s + b * (s + 1) + b, dtype=torch.int32, pin_memory=pin_memory)
-    end = 4 * b * s + b * (s + 1)
-    return flat[: 4 * b * s].view(4, b, s), flat[4 * b * s : end].view(b, s + 1), flat[end:]
+    return boundary_views(torch.empty(b * (5 * s + 2), dtype=torch.int32, pin_memory=pin_memory), b, s)
+
+
+def boundary_views(flat: Any, b: int, s: int) -> tuple[Any, Any, Any]:
+    """The (4, B, S) block, cu_seqlens (B, S + 1) and max_seqlen (B,) in a flat int32 tensor of B * (5S + 2)."""
+    block, cu_seqlens, max_seqlen = flat.split((4 * b * s, b * (s + 1), b))  # one call for three views
+    return block.view(4, b, s), cu_seqlens.view(b, s + 1), max_seqlen
 
 
 @njit(nogil=True)
-def reset_positions(cu_seqlens, positions) -> None:
+def _fill_bounded(text, options, cu_in, max_in, flat) -> None:
+    """fill_fields, the boundaries copied beside the fields, position ids per document, into a flat B * (5S + 2)
+    int32 array laid out as boundary_block: one dispatch, and the views made here, not by numpy or torch calls."""
+    b, s = cu_in.shape[0], cu_in.shape[1] - 1
+    block = flat[: 4 * b * s].reshape((4, b, s))
+    fill_fields(text, options, block)
+    flat[4 * b * s : 4 * b * s + b * (s + 1)] = cu_in.reshape(-1)
+    flat[4 * b * s + b * (s + 1) :] = max_in
+    reset_positions(cu_in, block[3], 1)  # fill_fields left 0..S-1 (kernel_options: no reset at eod with boundaries)
+
+
+@njit(nogil=True)
+def reset_positions(cu_seqlens, positions, first=0) -> None:
     """positions[b, t] = t - the start of t's document, for documents cu_seqlens[b] (S + 1,): what Megatron-LM sets
-    with inter-document masking (each document piece counts from 0, whatever reset_position_ids says).
+    with inter-document masking (each document piece counts from 0, whatever reset_position_ids says). From document
+    `first` on: positions that hold 0..S-1 already need no rewrite of the first document.
 
     Example:
         >>> p = np.zeros((1, 4), np.int32); reset_positions(np.array([[0, 3, 4, 4, 4]], np.int32), p); p.tolist()
@@ -136,11 +152,12 @@ def reset_positions(cu_seqlens, positions) -> None:
     """
     for b in range(positions.shape[0]):
         cu, row = cu_seqlens[b], positions[b]
-        for k in range(len(cu) - 1):
-            if cu[k] >= len(row):  # the padding of cu_seqlens: no document past here
+        for k in range(first, len(cu) - 1):
+            lo, hi = cu[k], cu[k + 1]  # held, not reloaded: row and cu may alias as far as the compiler knows
+            if lo >= len(row):  # the padding of cu_seqlens: no document past here
                 break
-            for t in range(cu[k], cu[k + 1]):
-                row[t] = t - cu[k]
+            for t in range(lo, hi):
+                row[t] = t - lo
 
 
 def torch_block(b: int, s: int, pin_memory: bool = False) -> Any:
@@ -192,9 +209,9 @@ def kernel_options(config: GPTDatasetConfig, maybe_padded: bool = False) -> np.n
     """
     eod = -1 if config.eod_token_id is None else config.eod_token_id
     check_pad = maybe_padded or config.pad_token_id is not None or not config.add_extra_token_to_sequence
-    return np.array(
-        [config.extra, config.pad, eod, config.eod_mask_loss, config.reset_position_ids, check_pad], np.int64
-    )
+    # with document boundaries the positions restart at each document (reset_positions): no pass at eod tokens first
+    reset = config.reset_position_ids and not getattr(config, "document_boundaries", False)
+    return np.array([config.extra, config.pad, eod, config.eod_mask_loss, reset, check_pad], np.int64)
 
 
 # The bits of float32 1.0: the loss mask is written as int32 into the block it shares with the other fields.

@@ -52,9 +52,10 @@ import numpy as np
 
 from corpusforge.data.batch import (
     RawBatch,
+    _torch,
     assemble,
     batch_fields,
-    boundary_block,
+    boundary_views,
     fill_fields,
     fill_fields_numpy,
     kernel_options,
@@ -616,6 +617,44 @@ def _gather(
 # What _gather is given as `block` when only the text is wanted.
 _NO_FIELDS = np.empty((4, 0, 0), np.int32)
 
+
+@njit(nogil=True)
+def _gather_bounded(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
+    text, block, cu_seqlens, max_seqlen
+):  # fmt: skip
+    """_gather, then _document_boundaries of the same samples (position ids per document where `block` has rows), in
+    one call: a numba dispatch costs ~1 us, as much as the boundaries themselves. Returns _gather's status, or -2."""
+    status = _gather(
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
+        options, text, block,
+    )  # fmt: skip
+    if status != 0:
+        return status
+    return _document_boundaries(
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, options[0], cu_seqlens, max_seqlen, block[3]
+    )
+
+
+@njit(nogil=True)
+def _gather_flat(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
+    text, flat
+):  # fmt: skip
+    """_gather_bounded into one flat int32 array of B * (5S + 2): the (4, B, S) block, cu_seqlens (B, S + 1), then
+    max_seqlen (B,), as batch.boundary_block lays them out: the views are made here, not by numpy calls around it
+    (~0.5 us each), and the call types one output array, not three."""
+    b = len(ids)
+    s = (len(flat) // max(b, 1) - 2) // 5
+    block = flat[: 4 * b * s].reshape((4, b, s))
+    cu_seqlens = flat[4 * b * s : 4 * b * s + b * (s + 1)].reshape((b, s + 1))
+    max_seqlen = flat[4 * b * s + b * (s + 1) :]
+    return _gather_bounded(
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
+        options, text, block, cu_seqlens, max_seqlen,
+    )  # fmt: skip
+
+
 # What _document_boundaries is given as `positions` when only the boundaries are wanted.
 _NO_POSITIONS = np.empty((0, 0), np.int32)
 
@@ -656,9 +695,10 @@ def _gather_numpy(
 def _document_boundaries(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, extra, cu_seqlens, max_seqlen, positions
 ):  # fmt: skip
-    """cu_seqlens[b] (S + 1,) and max_seqlen[b] of samples `ids`, and, where `positions` has a row per sample, their
-    position ids restarting at each document piece (batch.reset_positions). Returns 0, -1 if an id is out of range,
-    -2 if a sample holds more than S pieces (empty documents; Megatron fails there too).
+    """cu_seqlens[b] (S + 1,) and max_seqlen[b] of samples `ids`, and, where `positions` has a row per sample (holding
+    0..S-1, as fill_fields leaves them with boundaries), their position ids restarting at each document piece.
+    Returns 0, -1 if an id is out of range, -2 if a sample holds more than S pieces (empty documents; Megatron fails
+    there too).
 
     Megatron-LM's convention (GPTDataset.__getitem__ with inter_document_masking, commit d98e8a64ddf3): the boundaries
     are those of the sample's document pieces as the indices cut them (not its eod tokens: a dataset without eod
@@ -699,15 +739,13 @@ def _document_boundaries(
             if pieces == 0:
                 pieces = 1
             cu[pieces] = s
+        cu[pieces + 1 :] = s
         longest = 0
-        for k in range(s + 1):
-            if k > pieces:
-                cu[k] = s
-            elif k > 0:
-                longest = max(longest, cu[k] - cu[k - 1])
+        for k in range(1, pieces + 1):
+            longest = max(longest, cu[k] - cu[k - 1])
         max_seqlen[b] = longest
-    if positions.shape[0] == len(ids):
-        reset_positions(cu_seqlens, positions)
+    if positions.shape[0] == len(ids):  # 0..S-1 there (fill_fields does not reset them with boundaries): from the
+        reset_positions(cu_seqlens, positions, 1)  # second document on
     return 0
 
 
@@ -787,6 +825,19 @@ def build_together(parts: list[GPTDataset], cache: IndexCache | None, kind: str)
 
 # The kernel signatures GPTDataset.load_kernels has compiled (or loaded) in this process.
 _COMPILED: set[tuple] = set()
+
+
+@functools.cache
+def _splits(s: int) -> tuple[int, ...]:
+    """The lengths of tokens, labels, loss_mask, position_ids, cu_seqlens, max_seqlen in one sample's storage."""
+    return (s, s, s, s, s + 1, 1)
+
+
+@functools.cache
+def _float32() -> Any:
+    from corpusforge.data.batch import _torch
+
+    return _torch().float32
 
 
 def _from_numpy(array: np.ndarray) -> Any:
@@ -896,6 +947,11 @@ class GPTDataset:
             self._read_fields(np.zeros(0, np.int64), np.empty((4, 0, self.config.seq_length), np.int32))
         if self.config.document_boundaries:
             s = self.config.seq_length
+            none, cu_seqlens, max_seqlen = np.zeros(0, np.int64), np.empty((0, s + 1), np.int32), np.empty(0, np.int32)
+            self.read_raw(none)
+            if direct:
+                self._read_bounded(none, np.empty((4, 0, s), np.int32), cu_seqlens, max_seqlen)
+                self._read_flat(none, np.empty(0, np.int32))
             for positions in (_NO_POSITIONS, np.empty((0, s), np.int32)):  # read_raw's call, then get_batch's
                 self._boundaries(
                     np.zeros(0, np.int64), np.empty((0, s + 1), np.int32), np.empty(0, np.int32), positions
@@ -937,6 +993,32 @@ class GPTDataset:
             _NUMPY_SERVED[0] += len(ids)
             return _gather_numpy(ids, *args, block) == 0
         return args is not None and _gather(ids, *args, block) == 0
+
+    def _read_flat(self, ids: np.ndarray, flat: np.ndarray) -> bool:
+        """_read_bounded into one flat int32 array laid out as batch.boundary_block (see _gather_flat)."""
+        args = self._direct_args()
+        if args is not None and (ready(_gather_flat) or started()):
+            status = _gather_flat(ids, *args, flat)
+            if status != -2:
+                return status == 0
+        b, s = len(ids), self.config.seq_length
+        block, cu_seqlens = flat[: 4 * b * s].reshape(4, b, s), flat[4 * b * s : 4 * b * s + b * (s + 1)]
+        return self._read_bounded(ids, block, cu_seqlens.reshape(b, s + 1), flat[4 * b * s + b * (s + 1) :])
+
+    def _read_bounded(self, ids: np.ndarray, block: np.ndarray, cu_seqlens: np.ndarray, max_seqlen: np.ndarray) -> bool:
+        """_read_fields, and the samples' document boundaries (position ids per document) in the same compiled call."""
+        args = self._direct_args()
+        if args is None:
+            return False
+        if not (ready(_gather_bounded) or started()):  # the numpy twins, until numba has started (_read_fields)
+            if not self._read_fields(ids, block):
+                return False
+            self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
+            return True
+        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen)
+        if status == -2:
+            self._boundaries(ids, cu_seqlens, max_seqlen, block[3])  # raises, naming the dataset
+        return status == 0
 
     def _split_tokens(self) -> int:
         """The split's token count. A split holding fewer tokens than one sample is repeated as Megatron-Core
@@ -993,7 +1075,15 @@ class GPTDataset:
         width = self.config.seq_length + extra
         memory = indexed.reader.memory
         status = 1  # as _gather says when a sample is short: the general path below
-        if memory is not None:  # one compiled pass from the map into the batch
+        bounded = self.config.document_boundaries and memory is not None and started()
+        if bounded:  # the text and the boundaries in one compiled call
+            text = np.empty((len(ids), width), memory.dtype)
+            cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
+            max_seqlen = np.empty(len(ids), np.int32)
+            status = _gather_bounded(ids, *self._direct_args()[:-1], text, _NO_FIELDS, cu_seqlens, max_seqlen)
+            if status == 0:
+                return RawBatch(text, False, None, cu_seqlens, max_seqlen)
+        elif memory is not None:  # one compiled pass from the map into the batch
             text = np.empty((len(ids), width), memory.dtype)
             status = _gather(
                 ids,
@@ -1075,12 +1165,13 @@ class GPTDataset:
         """Samples `ids` as numpy arrays: tokens, labels, loss_mask, position_ids[, attention_mask]."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         block = np.empty((4, len(ids), self.config.seq_length), np.int32)
-        if self._read_fields(ids, block):
-            if not self.config.document_boundaries:
+        if not self.config.document_boundaries:
+            if self._read_fields(ids, block):
                 return batch_fields(block)
-            cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
-            max_seqlen = np.empty(len(ids), np.int32)
-            self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
+            return assemble(self.read_raw(ids), self.config)
+        cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
+        max_seqlen = np.empty(len(ids), np.int32)
+        if self._read_bounded(ids, block, cu_seqlens, max_seqlen):
             return {**batch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
         return assemble(self.read_raw(ids), self.config)
 
@@ -1112,9 +1203,10 @@ class GPTDataset:
         prefetch_upcoming(self, ids)
         array = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.config.document_boundaries:
-            block, cu_seqlens, max_seqlen = boundary_block(len(array), self.config.seq_length)
-            if self._read_fields(array, block.numpy()):
-                self._boundaries(array, cu_seqlens.numpy(), max_seqlen.numpy(), block.numpy()[3])
+            b, s = len(array), self.config.seq_length
+            flat = _torch().empty(b * (5 * s + 2), dtype=_torch().int32)  # laid out as batch.boundary_block
+            if self._read_flat(array, flat.numpy()):
+                block, cu_seqlens, max_seqlen = boundary_views(flat, b, s)
                 return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
             return assemble(self.read_raw(array), self.config, as_torch=True)
         block = torch_block(len(array), self.config.seq_length)
@@ -1131,12 +1223,12 @@ class GPTDataset:
         s = self.config.seq_length
         if self.config.document_boundaries:  # one storage: the block, then cu_seqlens (S + 1), then max_seqlen
             flat = np.empty(5 * s + 2, np.int32)
-            block, ids = flat[: 4 * s].reshape(4, 1, s), np.array([i], np.int64)
-            if self._read_fields(ids, block):
-                self._boundaries(ids, flat[4 * s : 5 * s + 1].reshape(1, -1), flat[5 * s + 1 :], block[3])
-                tensor = _from_numpy(flat)
-                fields = torch_fields(tensor[: 4 * s].view(4, s))
-                return {**fields, "cu_seqlens": tensor[4 * s : 5 * s + 1], "max_seqlen": tensor[5 * s + 1]}
+            if self._read_flat(np.array([i], np.int64), flat):
+                # six views in one call: a torch call costs ~1-3 us here, as much as the boundaries themselves
+                tokens, labels, loss_mask, positions, cu_seqlens, max_seqlen = _from_numpy(flat).split(_splits(s))
+                loss_mask, max_seqlen = loss_mask.view(_float32()), max_seqlen.view(())
+                return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions,
+                        "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}  # fmt: skip
             return {k: v[0] for k, v in self.__getitems__([i]).items()}
         block = np.empty((4, 1, s), np.int32)
         if self._read_fields(np.array([i], np.int64), block):

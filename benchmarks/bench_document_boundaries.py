@@ -1,0 +1,131 @@
+"""What document boundaries (GPTDatasetConfig.document_boundaries: cu_seqlens, max_seqlen, positions per document)
+cost the loader, measured as benchmarks/bench_getitem.py measures reading: one process, warm page cache.
+
+    python benchmarks/bench_document_boundaries.py [--tokens 2e7] [--docs 9600] [--ids 20000] [--rounds 5]
+                                                   [--out benchmarks/results/document-boundaries-<date>.json]
+
+bench_loader's generated dataset (uint16, document lengths uniform, ~2,000 tokens on average: one or two documents
+a sample of 2,048), train split, one epoch of samples. The same seeded random ids are read with the option off and
+on, in rounds that alternate which goes first (median of the rounds reported):
+
+  per sample   ds[i] for every id
+  batched      ds.__getitems__(8 ids), what a DataLoader with a batch sampler calls
+  worker path  ds.read_raw(8 ids) then batch.assemble (what the loader's workers and its main process do)
+
+The target (issue 30): at most 10% more time per sample, per sample and batched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_loader as bench  # noqa: E402
+
+from corpusforge.data import GPTDataset  # noqa: E402
+from corpusforge.data.batch import assemble  # noqa: E402
+
+BATCH = 8
+
+
+def per_sample(ds, ids: list[int]) -> None:
+    for i in ids:
+        ds[i]
+
+
+def batched(ds, ids: list[int]) -> None:
+    for lo in range(0, len(ids), BATCH):
+        ds.__getitems__(ids[lo : lo + BATCH])
+
+
+def worker_path(ds, ids: list[int]) -> None:
+    for lo in range(0, len(ids), BATCH):
+        assemble(ds.read_raw(ids[lo : lo + BATCH]), ds.config, as_torch=True)
+
+
+def timed(fn, ds, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    fn(ds, ids)
+    return (time.perf_counter() - t0) / len(ids) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=float, default=2e7)
+    ap.add_argument("--docs", type=float, default=9600)
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--ids", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    out = args.out or HERE / "results" / f"document-boundaries-{date}.json"
+    tokens, docs, seq = int(args.tokens), int(args.docs), args.seq_length
+    prefix = HERE / "work" / "loader" / f"gen_{tokens:.0e}tok_{docs}doc_text_document".replace("+", "")
+    bench.make_dataset(prefix, tokens, docs)
+    bench.warm(f"{prefix}.bin")
+    sizes = [tokens * 969 // 1000 // seq - 1, tokens * 30 // 1000 // seq - 1, max(1, tokens // 1000 // seq - 1)]
+    off = bench.ours_build(str(prefix), seq, sizes)[0]
+    on = GPTDataset(
+        off.indexed, "train", off.documents, off.num_samples, dataclasses.replace(off.config, document_boundaries=True)
+    )
+    for ds in (off, on):
+        ds.load_kernels()
+    ids = np.random.default_rng(0).integers(0, len(off), args.ids).tolist()
+    for i in ids[:200]:  # the same tokens and labels either way
+        a, b = off[i], on[i]
+        assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in ("tokens", "labels", "loss_mask"))
+        assert int(b["cu_seqlens"][0]) == 0 and int(b["cu_seqlens"][-1]) == seq
+    pieces = np.mean([int(np.argmax(on[i]["cu_seqlens"].numpy() == seq)) for i in ids[:2000]])
+    for fn in (per_sample, batched, worker_path):  # first calls are not throughput
+        fn(off, ids[:500])
+        fn(on, ids[:500])
+    plan = {f"{fn.__name__} {name}": (fn, ds) for fn in (per_sample, batched, worker_path) for name, ds in
+            (("off", off), ("on", on))}  # fmt: skip
+    runs: dict[str, list[float]] = {k: [] for k in plan}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for name in list(plan) if r % 2 == 0 else list(plan)[::-1]:
+            fn, ds = plan[name]
+            runs[name].append(round(timed(fn, ds, ids), 2))
+        load.append(os.getloadavg()[0])
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    cost = {
+        fn.__name__: round(med[f"{fn.__name__} on"] / med[f"{fn.__name__} off"] - 1, 4)
+        for fn in (per_sample, batched, worker_path)
+    }
+    report = {
+        "benchmark": "document_boundaries",
+        "machine": bench.machine_info(),
+        "load_average_per_round": [round(x, 2) for x in load],
+        "config": {"tokens": tokens, "documents": docs, "seq_length": seq, "ids": args.ids, "rounds": args.rounds,
+                   "batch": BATCH, "read_mode": off.indexed.read_mode, "mean_documents_per_sample": round(pieces, 2)},
+        "median_us_per_sample": med,
+        "extra_time_with_boundaries": cost,
+        "runs": runs,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nmedian of {args.rounds} rounds, us per sample ({args.ids} random ids, warm page cache):")
+    for k, v in med.items():
+        print(f"  {k:24s} {v:8.2f}")
+    for k, v in cost.items():
+        print(f"  {k}: {v:+.1%} with document boundaries")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
