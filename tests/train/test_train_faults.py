@@ -155,8 +155,8 @@ def _bad_tokens_on_rank_1(corpus: str, tmp_path: Path) -> tuple[list[str], list[
 
 
 CASES = [
-    pytest.param(_missing_everywhere, "missing", None, id="data missing (rank 0 builds the caches)"),
-    pytest.param(_data_missing_on_rank_1, "missing", 1, id="data missing on rank 1 alone", marks=pytest.mark.slow),
+    pytest.param(_missing_everywhere, "no such file", None, id="data missing (rank 0 builds the caches)"),
+    pytest.param(_data_missing_on_rank_1, "no such file", 1, id="data missing on rank 1 alone", marks=pytest.mark.slow),
     pytest.param(_out_dir_read_only_on_rank_1, "the run's out_dir is on a read-only file system", 1,
                  id="out_dir read-only on rank 1 alone", marks=pytest.mark.slow),
     pytest.param(_bad_tokens_on_rank_1, "token id 1000 is not below vocab_size 64", 1,
