@@ -170,3 +170,12 @@ def test_reset_positions_stops_at_the_padding():
     positions = np.full((1, 6), -1, np.int32)
     reset_positions(np.array([[0, 2, 2, 5, 6, 6, 6]], np.int32), positions)
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0]]
+
+
+def test_a_blend_refuses_rather_than_drops_them(tmp_path, corpora):
+    """A blend does not pass its datasets' boundaries on yet: its batches refuse, they never come without them."""
+    from loader_data import build_blend
+
+    train, _, _ = build_blend(corpora, tmp_path, eod_token_id=EOD, document_boundaries=True)
+    with pytest.raises(ValueError, match="blend"):
+        train.get_batch([0, 1])
