@@ -15,7 +15,8 @@ Read modes of a .bin on a mounted file system (local disk, Lustre, CephFS):
   (~200x the sample bytes measured here); for comparison, and what a plain IndexedDataset uses.
 - "auto" (default): one of the above, chosen when the dataset is opened (read_mode.py says how and why).
 
-An fsspec URL gets remote.RemoteBinReader.
+An fsspec URL gets remote.RemoteBinReader. Every read of these readers is recorded in readwatch (file, offset,
+since when; its duration), so that a watchdog can name a read that hangs.
 
 Example:
     >>> reader = open_reader("out/a_text_document.bin", np.dtype(np.uint16), StorageConfig(read_mode="pread"))
@@ -32,6 +33,7 @@ import numpy as np
 
 from corpusforge.fsutil import is_url
 from corpusforge.indexed import BinReader, LocalBinReader, MMapBinReader, regular_file_size
+from corpusforge.storage import readwatch
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.read_mode import choose_read_mode, logical_block_size
 from corpusforge.storage.remote import RemoteBinReader
@@ -69,11 +71,18 @@ class PreadBinReader(LocalBinReader):
 
     def _read_into(self, fd: int, starts: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> np.ndarray:
         view, pos = memoryview(out).cast("B"), 0
-        for start, length in zip(starts.tolist(), nbytes.tolist()):
-            got = os.preadv(fd, [view[pos : pos + length]], start)
-            if got != length:  # a short read only at end of file: the .bin shrank under us
-                raise OSError(f"{self.location}: read {got} of {length} bytes at offset {start}")
-            pos += length
+        if not len(starts):
+            return out
+        t0 = readwatch.begin(self.location, int(starts[0]), len(out) * self.dtype.itemsize)  # a watchdog sees it
+        try:
+            for start, length in zip(starts.tolist(), nbytes.tolist()):
+                readwatch.advance(start)
+                got = os.preadv(fd, [view[pos : pos + length]], start)
+                if got != length:  # a short read only at end of file: the .bin shrank under us
+                    raise OSError(f"{self.location}: read {got} of {length} bytes at offset {start}")
+                pos += length
+        finally:
+            readwatch.end(t0)
         return out
 
     def close(self) -> None:
@@ -104,11 +113,16 @@ class DirectBinReader(PreadBinReader):
         sizes = hi - lo
         buffer = mmap.mmap(-1, max(int(sizes.sum()), a))  # page-aligned, as O_DIRECT wants
         view, pos = memoryview(buffer), 0
-        for offset, size in zip(lo.tolist(), sizes.tolist()):
-            got = os.preadv(fd, [view[pos : pos + size]], offset)
-            if got < size and offset + got < min(offset + size, self.nbytes):
-                raise OSError(f"{self.location}: read {got} of {size} bytes at offset {offset}")
-            pos += size
+        t0 = readwatch.begin(self.location, int(lo[0]) if len(lo) else 0, int(sizes.sum()))
+        try:
+            for offset, size in zip(lo.tolist(), sizes.tolist()):
+                readwatch.advance(offset)
+                got = os.preadv(fd, [view[pos : pos + size]], offset)
+                if got < size and offset + got < min(offset + size, self.nbytes):
+                    raise OSError(f"{self.location}: read {got} of {size} bytes at offset {offset}")
+                pos += size
+        finally:
+            readwatch.end(t0)
         raw = np.frombuffer(buffer, np.uint8)
         dest = memoryview(out).cast("B")
         pos = done = 0

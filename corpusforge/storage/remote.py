@@ -24,6 +24,7 @@ import numpy as np
 
 from corpusforge.errors import MissingExtraError
 from corpusforge.indexed import SAMPLE_TOKENS, BinReader
+from corpusforge.storage import readwatch
 from corpusforge.storage.config import StorageConfig
 
 
@@ -123,9 +124,16 @@ class RemoteBinReader(BinReader):
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
         out = np.empty(int(lengths.sum()), dtype=self.dtype)
         view, itemsize, pos = memoryview(out).cast("B"), self.dtype.itemsize, 0
-        for start, length in zip((starts * itemsize).tolist(), (lengths * itemsize).tolist()):
-            self.blocks.read_into(view[pos : pos + length], start)
-            pos += length
+        if not len(starts):
+            return out
+        t0 = readwatch.begin(self.location, int(starts[0]) * itemsize, len(out) * itemsize)  # a watchdog sees it
+        try:
+            for start, length in zip((starts * itemsize).tolist(), (lengths * itemsize).tolist()):
+                readwatch.advance(start)
+                self.blocks.read_into(view[pos : pos + length], start)
+                pos += length
+        finally:
+            readwatch.end(t0)
         return out
 
     def prefetch_spans(self, starts: np.ndarray, lengths: np.ndarray) -> None:

@@ -317,6 +317,26 @@ class RetroSection:
 
 
 PARALLEL_LEGACY = {"ddp": {"dp_replicate": -1, "dp_shard": 1}, "fsdp": {"dp_replicate": 1, "dp_shard": -1}}
+
+
+@dataclass(frozen=True)
+class WatchdogSection:
+    """When a rank's data reads are called slow, and when a run is called hung and ended for a restart. The section
+    [watchdog]; overrides as `watchdog.hang_s=300`."""
+
+    stall_s: float = 30.0
+    """A data read (or a wait for a batch) that takes longer than this many seconds prints one warning line for its
+    rank (file, offset, bytes, seconds, the p50/p99 of the rank's reads so far). A healthy read takes milliseconds,
+    a busy Lustre/CephFS a few seconds; 30 s is an outlier on any of them. 0: no warnings."""
+
+    hang_s: float = 600.0
+    """No progress (no batch fetched, no step finished; the first step, which compiles, and checkpoint saves are not
+    counted) for this many seconds ends the run: stacks of every rank in out_dir/hang-step<N>-rank<R>.txt, one line
+    naming the rank stuck in a read and its file, exit code 5 on every rank. 600 s: long past any storage's
+    recovery (Lustre's default client timeout is 100 s, obd_timeout 300 s) and well before gloo's or NCCL's
+    collective timeouts (30 and 10 min) would blame another rank. 0: never."""
+
+
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
 
@@ -350,6 +370,10 @@ class TrainConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Logging and validation: the section [metrics] (log_interval, eval_interval, eval_batches, tensorboard,
     peak_flops)."""
+
+    watchdog: WatchdogSection = field(default_factory=WatchdogSection)
+    """Slow and hung data reads: the section [watchdog] (stall_s, hang_s); a hung run exits with code 5 (see
+    corpusforge.train.watchdog)."""
 
     storage: StorageConfig = field(default_factory=StorageConfig)
     """How the token datasets are read: the section [storage] with the keys of corpusforge.storage.StorageConfig
@@ -458,6 +482,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
+    "watchdog": WatchdogSection,
     "storage": StorageConfig,
     "retro": RetroSection,
 }
@@ -540,7 +565,8 @@ POSITIVE = ["model.seq_length", "schedule.micro_batch_size", "schedule.global_ba
 NOT_NEGATIVE = ["model.n_layer", "model.n_head", "model.n_embd", "model.n_kv_head", "model.ffn_hidden",
                 "model.rope_theta", "schedule.warmup_steps", "schedule.stop_at_step", "schedule.min_lr",
                 "metrics.eval_interval", "metrics.eval_batches", "metrics.peak_flops", "checkpoint.interval",
-                "data.num_workers", "optimizer.grad_clip", "optimizer.weight_decay"]  # fmt: skip
+                "data.num_workers", "optimizer.grad_clip", "optimizer.weight_decay", "watchdog.stall_s",
+                "watchdog.hang_s"]  # fmt: skip
 
 
 def _get(cfg: Any, key: str) -> Any:

@@ -41,6 +41,7 @@ from corpusforge.train.metrics import MetricsWriter, format_line, peak_flops, pe
 from corpusforge.train.model import GPT, GPTConfig, flops_per_token, loss_fn
 from corpusforge.train.optim import lr_at, make_optimizer
 from corpusforge.train.retro_model import RetroConfig, RetroModel
+from corpusforge.train.watchdog import Watchdog
 
 ModelConfig = GPTConfig | LlamaConfig | RetroConfig
 
@@ -314,6 +315,7 @@ class Plan:
     mesh: Any = None  # the DeviceMesh (pp, dp_replicate, dp_shard, tp) when the layout needs one
     schedule: Any = None  # the pipeline schedule when pp > 1 (then `model` is a ModuleList of this rank's stages)
     tied_group: Any = None  # pp > 1 with a tied embedding: the ranks of the first and last stage (pipeline.py)
+    watchdog: Watchdog | None = None  # slow and hung reads (run() starts it)
 
     def loss_context(self):
         """loss_parallel() when the head's logits stay vocabulary-sharded (forward and backward both need it)."""
@@ -517,7 +519,10 @@ class DataStream:
 
     def next(self) -> tuple[dict[str, torch.Tensor], float]:
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):
+        dog = self.plan.watchdog
+        # the first batch of an iterator waits for its workers to start (seconds): only its reads are watched
+        watched = dog.waiting_for_data() if dog and self.it is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[]), watched:
             if self.it is None:
                 self.it = iter(self.loader)
             batch = next(self.it)
@@ -809,6 +814,30 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
     if rt.device.type == "cuda" and peak is None:
         log(f"mfu: {torch.cuda.get_device_name(rt.device)} is not in the peak-FLOPS table; set peak_flops to report it")
     last = min(cfg.schedule.max_steps, cfg.schedule.stop_at_step or cfg.schedule.max_steps)
+    plan.watchdog = Watchdog(out, rt.rank, rt.world_size, cfg.watchdog.stall_s, cfg.watchdog.hang_s,
+                             what=str(cfg.data.path or cfg.retro.db)).start()  # fmt: skip
+    try:
+        stats = loop(plan, log, writer, saver, start, last, loss_of, peak)
+    finally:
+        plan.watchdog.stop()  # before the last checkpoint's write is waited for: not a data read
+    saver.close()  # waits for the last write: its error, agreed, is every rank's
+    if saver.last is not None and rt.is_main:
+        writer.write(
+            "checkpoint",
+            {"step": saver.last["step"], "path": saver.last["path"], "write_s": round(saver.last["write_s"], 4)},
+        )
+    summary = stats.summary(plan, start, last, saver)
+    writer.write("summary", summary)
+    rt.agree(writer.close)
+    for line in summary_lines(summary):
+        log(line)
+    return summary
+
+
+def loop(plan: Plan, log: Log, writer: RunFiles, saver: ckpt.Checkpointer, start: int, last: int, loss_of,
+         peak: float | None) -> Stats:  # fmt: skip
+    """Steps start + 1 .. last: train, log, evaluate, checkpoint."""
+    cfg, rt = plan.cfg, plan.rt
     stream = DataStream(plan.data.train, plan)
     stats = Stats()
     interval_t0, interval_steps, waits = time.perf_counter(), 0, []
@@ -820,6 +849,7 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
     for step in range(start + 1, last + 1):  # `step` counts optimizer steps done once this one is taken
         batches = next_batches(plan, stream, plan.grad_accum, pending)
         loss, norm, waited = train_step(plan, batches, step - 1, loss_of)
+        plan.watchdog.beat(step)
         waits.append(waited)
         interval_steps += 1
         if step % cfg.metrics.log_interval == 0 or step == last:
@@ -859,19 +889,9 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
             writer.write("valid", record)
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == last:
-            stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
-    saver.close()  # waits for the last write: its error, agreed, is every rank's
-    if saver.last is not None and rt.is_main:
-        writer.write(
-            "checkpoint",
-            {"step": saver.last["step"], "path": saver.last["path"], "write_s": round(saver.last["write_s"], 4)},
-        )
-    summary = stats.summary(plan, start, last, saver)
-    writer.write("summary", summary)
-    rt.agree(writer.close)
-    for line in summary_lines(summary):
-        log(line)
-    return summary
+            with plan.watchdog.paused():  # a save is not a data read (its errors are its own)
+                stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
+    return stats
 
 
 @dataclass

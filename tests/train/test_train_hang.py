@@ -1,0 +1,196 @@
+"""A read that is slow, that hangs and is released, or that hangs for good, under a real 2-rank torchrun on gloo:
+rank 1 sees the corpus's directory through a FUSE file system (hangfs.py) that delays or blocks its reads on
+command, in a mount namespace of its own (rank_view.py); rank 0 reads the same files directly. Real processes, a
+real kernel wait, no mocks. The suite runs as root (mount, unshare, FUSE)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trainkit
+
+from corpusforge.train.watchdog import HANG_EXIT_CODE
+
+HERE = Path(__file__).resolve().parent
+STALL_S, HANG_S = 1, 4
+
+pytestmark = pytest.mark.skipif(not shutil.which("fusermount") and not os.path.exists("/dev/fuse"), reason="no FUSE")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return trainkit.write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov_text_document")
+
+
+@pytest.fixture
+def hangfs(corpus, tmp_path):
+    """(mountpoint, control): the corpus's directory through hangfs.py."""
+    mnt, control = tmp_path / "fuse", tmp_path / "control"
+    mnt.mkdir()
+    control.mkdir()
+    proc = subprocess.Popen([sys.executable, str(HERE / "hangfs.py"), str(Path(corpus).parent), str(mnt), str(control)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, "hangfs did not mount"
+            time.sleep(0.05)
+        yield mnt, control
+    finally:
+        (control / "block").unlink(missing_ok=True)  # whatever still waits in a read returns
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        proc.kill()
+        proc.wait()
+
+
+def overrides(corpus: str, out: Path, **extra) -> list[str]:
+    """The tiny run, its reads through pread (one timed system call per span), the watchdog's clocks short."""
+    values = {"max_steps": 24, "eval_interval": 0, "checkpoint_interval": 0, "storage.read_mode": '"pread"',
+              "watchdog.stall_s": STALL_S, "watchdog.hang_s": HANG_S, **extra}  # fmt: skip
+    return trainkit.tiny_overrides(corpus, out, **values)
+
+
+def launch(corpus: str, out: Path, mnt: Path, logs: Path, **extra) -> subprocess.CompletedProcess:
+    """2 gloo ranks; rank 1 reads the corpus through the FUSE mount. Each rank's output in its own file."""
+    wrapper = [str(HERE / "rank_view.py"), "1", f"bind:{mnt}", str(Path(corpus).parent)]
+    return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120, check=False,
+                             options=["--log-dir", str(logs), "--redirects", "3"], wrapper=wrapper)  # fmt: skip
+
+
+def at_step(out: Path, step: int, then, timeout: float = 90) -> threading.Thread:
+    """A thread that calls `then()` once rank 0 has logged `step` (the run is past its start, its files open)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (out / "metrics.jsonl").exists() and step in trainkit.run_records(out):
+                then()
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for _, r in sorted(trainkit.run_records(out).items())]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(corpus, tmp_path_factory) -> list[float]:
+    """The losses of the same 2-rank run with both ranks reading the corpus directly."""
+    out = tmp_path_factory.mktemp("undisturbed") / "run"
+    trainkit.torchrun(overrides(corpus, out), 2, timeout=120)
+    return losses(out)
+
+
+def no_collective_noise(texts: list[str]) -> None:
+    for text in texts:
+        for word in ("Traceback", "gloo", "Connection reset", "timed out", "Timeout"):
+            assert word not in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_slow_read_warns_once_and_changes_no_loss(corpus, hangfs, tmp_path, undisturbed):
+    """One read of rank 1 takes 2 s (stall_s 1, hang_s 4): rank 1 prints one warning naming the file, the offset,
+    the bytes, the wait and its reads' p50/p99; the run finishes with the undisturbed run's losses."""
+    mnt, control = hangfs
+    out = tmp_path / "run"
+    at_step(out, 3, lambda: (control / "delay-once").write_text("2"))
+    done = launch(corpus, out, mnt, tmp_path / "logs")
+    ranks = trainkit.rank_logs(tmp_path / "logs")
+    assert done.returncode == 0, (done.stderr[-3000:], ranks)
+    warnings = [line for line in ranks[1].splitlines() if "warning" in line]
+    assert len(warnings) == 1, ranks[1]
+    assert re.fullmatch(
+        rf"corpusforge: warning: rank 1: a read of {re.escape(str(Path(corpus)))}\.bin at offset \d+ \(\d+ bytes\) "
+        rf"has waited \d+\.\d s \(stall_s {STALL_S}\); this rank's reads so far: p50 [\d.]+ ms, p99 [\d.]+ ms over "
+        rf"\d+ reads",
+        warnings[0],
+    ), warnings[0]
+    assert "warning" not in ranks[0], ranks[0]
+    no_collective_noise(list(ranks.values()))
+    np.testing.assert_array_equal(losses(out), undisturbed)
+
+
+@pytest.mark.slow
+def test_a_hang_released_before_hang_s_lets_training_go_on(corpus, hangfs, tmp_path, undisturbed):
+    """Rank 1's reads block for 2 s, then the storage answers again: a warning, no hang, the same losses."""
+    mnt, control = hangfs
+    out = tmp_path / "run"
+
+    def block_then_release() -> None:
+        (control / "block").write_text("")
+        time.sleep(2)
+        (control / "block").unlink()
+
+    at_step(out, 3, block_then_release)
+    done = launch(corpus, out, mnt, tmp_path / "logs")
+    ranks = trainkit.rank_logs(tmp_path / "logs")
+    assert done.returncode == 0, (done.stderr[-3000:], ranks)
+    assert len([line for line in ranks[1].splitlines() if "warning" in line]) == 1, ranks[1]
+    assert not list(out.glob("hang-*")), list(out.glob("hang-*"))
+    no_collective_noise(list(ranks.values()))
+    np.testing.assert_array_equal(losses(out), undisturbed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1], ids=["read in the rank", "read in a loader worker"])
+def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(corpus, hangfs, tmp_path, workers):
+    """Rank 1's reads block for good at step 4. Within hang_s and a few seconds: rank 0 prints one line naming rank 1
+    and the .bin, each rank writes its stacks (rank 1's with the reader's frame, in the rank or in its worker's read
+    state), every rank exits with HANG_EXIT_CODE, no rank prints a collective's timeout or a traceback. The storage is
+    released only after the ranks have given up (a process whose own thread is in the read finishes exiting then)."""
+    mnt, control = hangfs
+    out = tmp_path / "run"
+    blocked: list[float] = []
+
+    def block_until_reported() -> None:
+        (control / "block").write_text("")
+        blocked.append(time.monotonic())
+        deadline = time.monotonic() + 60
+        while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)
+        (control / "block").unlink()
+
+    at_step(out, 3, block_until_reported)
+    done = launch(corpus, out, mnt, tmp_path / "logs", **{"data.num_workers": workers})
+    ended = time.monotonic()
+    ranks = trainkit.rank_logs(tmp_path / "logs")
+    codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", done.stderr)
+    assert done.returncode != 0 and blocked, (done.stderr[-3000:], ranks)
+    assert sorted(codes) == [("0", str(HANG_EXIT_CODE)), ("1", str(HANG_EXIT_CODE))], done.stderr[-3000:]
+    assert ended - blocked[0] < HANG_S + 20, ended - blocked[0]
+    lines = ranks[0].splitlines()
+    assert len(lines) == 1, ranks[0]
+    line = lines[0]
+    assert line.startswith("corpusforge: error: storage hung at step "), line
+    assert "rank 1 on " in line and f"in a read of {corpus}.bin at offset " in line, line
+    assert f"exits with {HANG_EXIT_CODE}" in line and "resumes from its last checkpoint" in line, line
+    assert "rank 0 on" not in line, line
+    step = int(re.search(r"at step (\d+)", line).group(1))
+    dumps = {r: out / f"hang-step{step}-rank{r}.txt" for r in (0, 1)}
+    assert all(p.exists() for p in dumps.values()), sorted(p.name for p in out.iterdir())
+    stuck, waiting = dumps[1].read_text(), dumps[0].read_text()
+    assert "stuck" in stuck.splitlines()[0] and "waiting" in waiting.splitlines()[0], (stuck, waiting)
+    assert "in a read: pid " in stuck and f"{corpus}.bin" in stuck, stuck
+    assert "Thread 0x" in stuck and "Thread 0x" in waiting, (stuck, waiting)  # faulthandler's dump of each thread
+    if workers == 0:
+        assert re.search(r'File ".*corpusforge/storage/readers.py", line \d+ in _read_into', stuck), stuck
+    assert "all_reduce" in waiting or "distributed_c10d.py" in waiting, waiting  # rank 0 waits in the collective
+    record = json.loads((out / "hang-rank1.json").read_text())
+    assert record["rank"] == 1 and record["path"] == f"{corpus}.bin" and record["seconds"] >= HANG_S, record
+    assert not (out / "hang-rank0.json").exists()
+    no_collective_noise(list(ranks.values()))
