@@ -63,8 +63,9 @@ def overrides(corpus: str, out: Path, **extra) -> list[str]:
 def launch(corpus: str, out: Path, mnt: Path, logs: Path, **extra) -> subprocess.CompletedProcess:
     """2 gloo ranks; rank 1 reads the corpus through the FUSE mount. Each rank's output in its own file."""
     wrapper = [str(HERE / "rank_view.py"), "1", f"bind:{mnt}", str(Path(corpus).parent)]
-    return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120, check=False,
-                             options=["--log-dir", str(logs), "--redirects", "3"], wrapper=wrapper)  # fmt: skip
+    options = ["--log-dir", str(logs), "--redirects", "3"]
+    return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120, check=False, options=options,
+                             wrapper=wrapper)  # fmt: skip
 
 
 def at_step(out: Path, step: int, then, timeout: float = 90) -> threading.Thread:
@@ -194,3 +195,33 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
     assert record["rank"] == 1 and record["path"] == f"{corpus}.bin" and record["seconds"] >= HANG_S, record
     assert not (out / "hang-rank0.json").exists()
     no_collective_noise(list(ranks.values()))
+
+
+@pytest.mark.slow
+def test_a_hung_job_run_again_resumes_from_its_last_checkpoint_with_the_same_losses(corpus, hangfs, tmp_path,
+                                                                                     undisturbed):  # fmt: skip
+    """What `srun --requeue` does: rank 1's reads block for good at step 5 (checkpoints every 2 steps), every rank
+    exits 5; the storage comes back and the same command runs again: it resumes from the last checkpoint, the previous
+    attempt's hang files do not end it, and it finishes with the undisturbed run's losses, step for step."""
+    mnt, control = hangfs
+    out = tmp_path / "run"
+
+    def block_until_reported() -> None:
+        (control / "block").write_text("")
+        deadline = time.monotonic() + 60
+        while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)
+        (control / "block").unlink()
+
+    at_step(out, 5, block_until_reported)
+    hung = launch(corpus, out, mnt, tmp_path / "logs", checkpoint_interval=2)
+    codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", hung.stderr)
+    assert hung.returncode != 0 and {c for _, c in codes} == {str(HANG_EXIT_CODE)}, hung.stderr[-3000:]
+    again = launch(corpus, out, mnt, tmp_path / "logs-again", checkpoint_interval=2)
+    ranks = trainkit.rank_logs(tmp_path / "logs-again")
+    assert again.returncode == 0, (again.stderr[-3000:], ranks)
+    resumed = sorted((tmp_path / "logs-again").glob("*/attempt_0/0/stdout.log"))
+    assert "resumed from" in resumed[0].read_text(), resumed[0].read_text()[-2000:]
+    assert not (out / "hang-reported.json").exists()
+    np.testing.assert_array_equal(losses(out), undisturbed)
