@@ -201,6 +201,7 @@ class Watchdog:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            readwatch.unshare()  # the slots' file in /dev/shm: a stuck worker keeps its mapping, not the name
             self.exit(HANG_EXIT_CODE)
 
     def _stuck_record(self, reads: list[dict[str, Any]], step: int) -> dict[str, Any]:

@@ -102,6 +102,38 @@ def no_collective_noise(texts: list[str]) -> None:
             assert word not in text, text[-3000:]
 
 
+def test_a_read_in_another_process_is_seen_with_its_file_offset_and_time(tmp_path):
+    """readwatch's shared slots: a forked process (as a DataLoader worker) in a read is seen by its parent with the
+    file, the offset it has reached and its time; its finished reads count in the parent's percentiles."""
+    from corpusforge.storage import readwatch
+
+    readwatch.share(str(tmp_path / "slots"))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: one finished read of ~20 ms, then one that lasts until it is killed
+            t = readwatch.begin("/data/a_text_document.bin", 0, 4096)
+            time.sleep(0.02)
+            readwatch.end(t)
+            readwatch.begin("/data/a_text_document.bin", 8192, 16384)
+            readwatch.advance(12288)
+            time.sleep(60)
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while not readwatch.current() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        (read,) = readwatch.current()
+        assert read["pid"] == pid and read["path"] == "/data/a_text_document.bin", read
+        assert read["offset"] == 12288 and read["nbytes"] == 16384 and 0.1 <= read["seconds"] < 10, read
+        stats = readwatch.percentiles_ms()
+        assert stats["reads"] == 1 and 20 <= stats["p50_ms"] < 200, stats
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    finally:
+        readwatch.unshare()
+    assert not (tmp_path / "slots").exists()
+
+
 @pytest.mark.slow
 def test_a_slow_read_warns_once_and_changes_no_loss(corpus, hangfs, tmp_path, undisturbed):
     """One read of rank 1 takes 2 s (stall_s 1, hang_s 4): rank 1 prints one warning naming the file, the offset,
