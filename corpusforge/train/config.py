@@ -127,6 +127,11 @@ class DataSection:
     """"loader" (the datasets above) or "synthetic": random tokens made once on the device and reused, no loader;
     the same run without a data path, to measure what the data path costs (tokens/s with one vs the other)."""
 
+    document_mask: bool = False
+    """Train packed samples as documents: attention causal within each document and blocked across them, positions
+    restarting per document (the loaders' cu_seqlens, as Megatron-LM's --dataloader-inter-document-masking). Off:
+    every sample is one causal sequence, today's losses bit for bit. GPT-2 and Llama; not RETRO, not pipelines yet."""
+
 
 @dataclass(frozen=True)
 class OptimizerSection:
@@ -626,6 +631,23 @@ def _check_values(cfg: TrainConfig) -> None:
                           [*shape_keys, "model.n_kv_head"])  # fmt: skip
     _check_parallel(cfg.parallel)
     _check_retro(cfg.retro)
+    _check_document_mask(cfg)
+
+
+def _check_document_mask(cfg: TrainConfig) -> None:
+    """What data.document_mask does not reach yet is refused, never ignored."""
+    if not cfg.data.document_mask:
+        return
+    if cfg.data.source == "synthetic":
+        raise ConfigError('data.document_mask: synthetic tokens have no documents; set data.source="loader" or '
+                          "data.document_mask=false", ["data.document_mask", "data.source"])  # fmt: skip
+    if cfg.family == "retro":
+        raise ConfigError("data.document_mask: RETRO does not train with document masks yet; set "
+                          "data.document_mask=false", ["data.document_mask", "model.name"])  # fmt: skip
+    if cfg.parallel.pp != 1:
+        raise ConfigError(f"data.document_mask: pipeline stages (parallel.pp = {cfg.parallel.pp}) do not carry the "
+                          "document boundaries yet; set parallel.pp=1 or data.document_mask=false",
+                          ["data.document_mask", "parallel.pp"])  # fmt: skip
 
 
 def _check_retro(r: RetroSection) -> None:

@@ -104,6 +104,7 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
                 num_samples=(train_samples, valid_samples, 0),
                 cache_dir=cache_dir,
                 storage=cfg.storage,
+                **({"document_boundaries": True} if cfg.data.document_mask else {}),  # off: today's batches
             )
         except OSError as e:  # a missing prefix, a dataset over the local cache's cap, an unreachable endpoint
             raise DataError(_cache_error(e, cache_dir)) from None

@@ -546,6 +546,7 @@ def batch_to_device(batch: dict, device: torch.device, non_blocking: bool = True
     """
     retro = "neighbours" in batch
     keys = ("tokens", "labels", "loss_mask", "position_ids") + (("neighbours", "neighbour_mask") if retro else ())
+    keys += ("cu_seqlens",) if "cu_seqlens" in batch else ()  # data.document_mask; int32, as the model takes it
     dev = {k: batch[k].to(device, non_blocking=non_blocking) for k in keys}
     for k in ("tokens", "labels", "position_ids") + (("neighbours",) if retro else ()):
         dev[k] = dev[k].long()  # int32 on the wire, int64 for the embedding: widened on the device
@@ -556,6 +557,8 @@ def forward(plan: Plan, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits of a batch: RETRO models also read its neighbours and their mask."""
     if "neighbours" in batch:
         return plan.step_model(batch["tokens"], batch["neighbours"], batch["neighbour_mask"], batch["position_ids"])
+    if "cu_seqlens" in batch:  # data.document_mask: attention within each document
+        return plan.step_model(batch["tokens"], batch["position_ids"], batch["cu_seqlens"])
     return plan.step_model(batch["tokens"], batch["position_ids"])
 
 
