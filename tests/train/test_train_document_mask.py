@@ -24,7 +24,9 @@ def losses(out_dir) -> list[float]:
 
 
 def run(corpus, out_dir, **extra) -> list[float]:
-    overrides = trainkit.tiny_overrides(corpus, out_dir, max_steps=3, seq_length=128, global_batch_tokens=1024, eval_interval=0, **extra)
+    overrides = trainkit.tiny_overrides(
+        corpus, out_dir, max_steps=3, seq_length=128, global_batch_tokens=1024, eval_interval=0, **extra
+    )
     train(load_config(None, overrides), log=lambda line: None)
     return losses(out_dir)
 
