@@ -196,7 +196,7 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
         while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1)
-        (control / "block").unlink()
+        (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
 
     at_step(out, 3, block_until_reported)
     done = launch(corpus, out, mnt, tmp_path / "logs", **{"data.num_workers": workers})
@@ -244,7 +244,7 @@ def test_a_hung_job_run_again_resumes_from_its_last_checkpoint_with_the_same_los
         while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1)
-        (control / "block").unlink()
+        (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
 
     at_step(out, 5, block_until_reported)
     hung = launch(corpus, out, mnt, tmp_path / "logs", checkpoint_interval=2)
