@@ -202,8 +202,19 @@ def missing_debian_packages(packages: tuple[str, ...] | list[str]) -> list[str]:
     return [p for p in packages if p not in installed]
 
 
+def has_apt() -> bool:
+    return shutil.which("dpkg-query") is not None and shutil.which("apt-get") is not None
+
+
+def not_debian(packages: tuple[str, ...]) -> str:
+    return ("this is not a Debian or Ubuntu system (no dpkg/apt): install these with your package manager, then run "
+            "the suite as root: " + " ".join(packages))  # fmt: skip
+
+
 def ensure_debian_packages(packages: tuple[str, ...]) -> None:
     """Installs the missing ones with apt (run as root); says so first."""
+    if not has_apt():
+        raise SetupError(not_debian(packages))
     missing = missing_debian_packages(packages)
     if not missing:
         say(f"Debian packages for the tests: all {len(packages)} installed")
@@ -221,9 +232,8 @@ def root_needed(packages: tuple[str, ...], pytest_args: list[str]) -> str:
         >>> root_needed(("coreutils",), ["-x"]).splitlines()[-1].strip()
         'sudo python3 bootstrap.py test -x'
     """
-    if shutil.which("dpkg-query") is None or shutil.which("apt-get") is None:
-        return ("this is not a Debian or Ubuntu system (no dpkg/apt): install these with your package manager, then "
-                "run the suite as root: " + " ".join(packages))  # fmt: skip
+    if not has_apt():
+        return not_debian(packages)
     missing = missing_debian_packages(packages)
     why = f"{len(missing)} Debian package(s) the tests need are missing ({' '.join(missing)}), and the"
     command = shlex.join(["sudo", "python3", "bootstrap.py", "test", *pytest_args])
