@@ -74,8 +74,8 @@ def assemble(
         return _assemble_with_boundaries(raw, config, as_torch, pin_memory)
     if getattr(config, "document_boundaries", False):  # never a batch without the boundaries it was asked for
         raise ValueError(
-            "document_boundaries: this raw batch carries no cu_seqlens (a blend's read_raw does not pass its datasets' "
-            "boundaries on yet: corpusforge/data/blended.py); read single datasets, or turn document_boundaries off"
+            "document_boundaries: this raw batch carries no cu_seqlens (it was read by a dataset whose config does not "
+            "ask for them); build the datasets with document_boundaries=True, or turn it off"
         )
     if not config.create_attention_mask:  # every field in one compiled pass, into one (4, B, S) block
         if as_torch and raw.dataset_id is None:

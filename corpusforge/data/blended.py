@@ -303,7 +303,13 @@ class BlendedDataset:
         text = np.empty((len(ids), self.config.seq_length + self.config.extra), dtype=dtype)
         for rows, raw in parts.values():
             text[rows] = raw.text
-        return RawBatch(text, any(raw.maybe_padded for _, raw in parts.values()), which)
+        cu_seqlens = max_seqlen = None
+        if self.config.document_boundaries:  # each dataset cut its own samples' documents: put them in row order
+            cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
+            max_seqlen = np.empty(len(ids), np.int32)
+            for rows, raw in parts.values():
+                cu_seqlens[rows], max_seqlen[rows] = raw.cu_seqlens, raw.max_seqlen
+        return RawBatch(text, any(raw.maybe_padded for _, raw in parts.values()), which, cu_seqlens, max_seqlen)
 
     @property
     def remote(self) -> bool:

@@ -172,10 +172,25 @@ def test_reset_positions_stops_at_the_padding():
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0]]
 
 
-def test_a_blend_refuses_rather_than_drops_them(tmp_path, corpora):
-    """A blend does not pass its datasets' boundaries on yet: its batches refuse, they never come without them."""
+def test_a_blend_gives_each_sample_the_boundaries_of_its_own_dataset(tmp_path, corpora):
+    """A blend's batch, by every path (get_batch, __getitems__, __getitem__, read_raw then assemble), carries for
+    each sample the cu_seqlens, max_seqlen and restarted positions of that sample read from its own dataset."""
     from loader_data import build_blend
 
     train, _, _ = build_blend(corpora, tmp_path, eod_token_id=EOD, document_boundaries=True)
-    with pytest.raises(ValueError, match="blend"):
-        train.get_batch([0, 1])
+    ids = list(range(0, min(len(train), 400), 7))
+    which, inner = train.dataset_index[ids], train.dataset_sample_index[ids]
+    assert len(set(which.tolist())) > 1  # the rows come from several datasets
+    own = [train.datasets[d].get_batch([j]) for d, j in zip(which, inner)]
+    paths = {
+        "get_batch": train.get_batch(ids),
+        "__getitems__": {k: np.asarray(v) for k, v in train.__getitems__(ids).items()},
+        "read_raw+assemble": assemble(train.read_raw(ids), train.config),
+    }
+    for name, batch in paths.items():
+        for key in ("cu_seqlens", "max_seqlen", "position_ids", "tokens"):
+            expected = np.stack([np.asarray(o[key])[0] for o in own])
+            assert np.array_equal(np.asarray(batch[key]), expected), (name, key)
+        assert np.array_equal(np.asarray(batch["dataset_id"]), which), name
+    one = train[ids[1]]
+    assert np.array_equal(np.asarray(one["cu_seqlens"]), np.asarray(own[1]["cu_seqlens"])[0])
