@@ -68,6 +68,19 @@ def launch(corpus: str, out: Path, mnt: Path, logs: Path, **extra) -> subprocess
                              wrapper=wrapper)  # fmt: skip
 
 
+def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None) -> None:
+    """Block the storage's reads until rank 0 has reported the hang (then a second more), then release them; the
+    time the block began goes into `blocked`."""
+    (control / "block").write_text("")
+    if blocked is not None:
+        blocked.append(time.monotonic())
+    deadline = time.monotonic() + 60
+    while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
+    (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
+
+
 def at_step(out: Path, step: int, then, timeout: float = 90) -> threading.Thread:
     """A thread that calls `then()` once rank 0 has logged `step` (the run is past its start, its files open)."""
 
@@ -189,16 +202,7 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
     out = tmp_path / "run"
     blocked: list[float] = []
 
-    def block_until_reported() -> None:
-        (control / "block").write_text("")
-        blocked.append(time.monotonic())
-        deadline = time.monotonic() + 60
-        while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1)
-        (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
-
-    at_step(out, 3, block_until_reported)
+    at_step(out, 3, lambda: block_until_reported(control, out, blocked))
     done = launch(corpus, out, mnt, tmp_path / "logs", **{"data.num_workers": workers})
     ended = time.monotonic()
     ranks = trainkit.rank_logs(tmp_path / "logs")
@@ -238,15 +242,7 @@ def test_a_hung_job_run_again_resumes_from_its_last_checkpoint_with_the_same_los
     mnt, control = hangfs
     out = tmp_path / "run"
 
-    def block_until_reported() -> None:
-        (control / "block").write_text("")
-        deadline = time.monotonic() + 60
-        while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1)
-        (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
-
-    at_step(out, 5, block_until_reported)
+    at_step(out, 5, lambda: block_until_reported(control, out))
     hung = launch(corpus, out, mnt, tmp_path / "logs", checkpoint_interval=2)
     codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", hung.stderr)
     assert hung.returncode != 0 and {c for _, c in codes} == {str(HANG_EXIT_CODE)}, hung.stderr[-3000:]
