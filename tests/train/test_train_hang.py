@@ -185,7 +185,10 @@ def test_a_hang_released_before_hang_s_lets_training_go_on(corpus, hangfs, tmp_p
     done = launch(corpus, out, mnt, tmp_path / "logs")
     ranks = trainkit.rank_logs(tmp_path / "logs")
     assert done.returncode == 0, (done.stderr[-3000:], ranks)
-    assert len([line for line in ranks[1].splitlines() if "warning" in line]) == 1, ranks[1]
+    warnings = [line for line in ranks[1].splitlines() if "warning" in line]
+    # the stalled read's one line; on a loaded machine the batch that waited on it may be named once too
+    assert 1 <= len(warnings) <= 2 and "a read of " in warnings[0], ranks[1]
+    assert all(w.startswith("corpusforge: warning: rank 1: ") for w in warnings), warnings
     assert not list(out.glob("hang-*")), list(out.glob("hang-*"))
     no_collective_noise(list(ranks.values()))
     np.testing.assert_array_equal(losses(out), undisturbed)
