@@ -36,6 +36,8 @@ TORCH = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # A real writer of Megatron's legacy TNTIDX format for the legacy tests; --no-deps: the tests use only its builder.
 DEEPSPEED = "deepspeed==0.19.8"
+# torchtitan's release pins datasets<4.8 (the hf extra has 5.x); its other dependencies are in the adapters extra.
+TORCHTITAN = "torchtitan==0.3.0"
 # The tests' real storage and schedulers: a loopback Ceph (mon, memstore OSD, RGW, MDS, ceph-fuse), fio (bench-io's
 # reference), FUSE (storage that hangs on command; libfuse2 for fusepy), a one-node Slurm, loop devices with ext4.
 DEBIAN_TEST_PACKAGES = (
@@ -173,7 +175,10 @@ def ensure_python_packages(env_dir: Path, extras: str, torch: str, with_deepspee
     target = f".[{extras}]" if extras else "."
     pip_install(python, f"corpusforge{f'[{extras}]' if extras else ''}", ["-e", target])
     if with_deepspeed:
-        pip_install(python, "deepspeed (without its dependencies)", ["--no-deps", DEEPSPEED], "--no-build-isolation")
+        pip_install(
+            python, "deepspeed and torchtitan (without their dependencies)", ["--no-deps", DEEPSPEED, TORCHTITAN],
+            "--no-build-isolation",
+        )
     kept_extras = set(filter(None, extras.split(","))) | set(stamp.get("extras", []))
     record = {
         "files": files_fingerprint(), "extras": sorted(kept_extras), "torch": torch,
