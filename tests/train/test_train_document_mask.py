@@ -1,6 +1,7 @@
 """data.document_mask in the trainer: the loaders' document boundaries reach the model (the losses change, and are
-finite), positions restart per document; what it does not reach yet (synthetic tokens, RETRO, pipelines) is refused in
-one line. That each document's logits equal the document run alone is tests/train/test_document_mask.py's."""
+finite), positions restart per document; what it does not reach (synthetic tokens, RETRO) is refused in one line.
+Every parallel layout is tests/train/test_train_parallel.py's; that each document's logits equal the document run
+alone is tests/train/test_document_mask.py's."""
 
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ def test_the_boundaries_reach_the_model(corpus, tmp_path, name):
     ("extra", "words"),
     [
         ({"data.source": '"synthetic"'}, "synthetic tokens have no documents"),
-        ({"parallel.pp": 2}, "pipeline stages (parallel.pp = 2) do not carry the document boundaries yet"),
         ({"model.name": '"retro"', "retro.db": '"db"'}, "RETRO does not train with document masks yet"),
     ],
 )

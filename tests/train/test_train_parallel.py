@@ -34,6 +34,13 @@ PP2 = ["model.n_layer=4", "parallel.pp=2", "parallel.dp_replicate=1"]
 # Pipeline schedules: the two families share them out so that each schedule runs once and each family meets several.
 SCHEDULES = [("gpt2", "1F1B"), ("gpt2", "Interleaved1F1B"), ("llama", "GPipe"), ("llama", "LoopedBFS"),
              ("llama", "InterleavedZeroBubble"), ("llama", "ZBVZeroBubble")]  # fmt: skip
+# data.document_mask in every layout on 2 processes: samples of 64 tokens pack the corpus's 40-200-token documents;
+# the boundaries reach every stage of a pipeline with each micro-batch (1F1B: one stage a rank; interleaved: two).
+DOCUMENTS = ["data.document_mask=true", "model.n_layer=4", "model.seq_length=64", "schedule.micro_batch_size=4"]
+DOCUMENT_LAYOUTS = {"tp2": ("llama", TP2), "ddp2": ("gpt2", ["parallel.dp_replicate=2"]),
+                    "fsdp2": ("llama", ["parallel.dp_shard=2", "parallel.dp_replicate=1"]),
+                    "pp2-1F1B": ("gpt2", [*PP2, 'parallel.pp_schedule="1F1B"']),
+                    "pp2-Interleaved1F1B": ("llama", [*PP2, 'parallel.pp_schedule="Interleaved1F1B"'])}  # fmt: skip
 # 4 data-parallel ranks x 4 x 32 tokens = the 512-token batch
 RESHARD = ["model.n_layer=4", "schedule.micro_batch_size=4"]
 SAVED = "save-tp2pp2/checkpoints/step_00000002"
@@ -43,7 +50,9 @@ def runs(nproc: int) -> dict[str, tuple[str, list[str]]]:
     """{run name: (family, overrides)} of the launch with `nproc` processes, in the order they run."""
     if nproc == 2:
         return {"tp2-gpt2": ("gpt2", TP2), "tp2-llama": ("llama", TP2),
-                **{f"pp2-{s}": (f, [*PP2, f'parallel.pp_schedule="{s}"']) for f, s in SCHEDULES}}  # fmt: skip
+                **{f"pp2-{s}": (f, [*PP2, f'parallel.pp_schedule="{s}"']) for f, s in SCHEDULES},
+                **{f"documents-{name}": (f, [*DOCUMENTS, *extra])
+                   for name, (f, extra) in DOCUMENT_LAYOUTS.items()}}  # fmt: skip
     if nproc == 4:  # the tp2 x pp2 save first: the dp4 run resumes from it
         return {"fsdp2xtp2-gpt2": ("gpt2", FSDP2_TP2), "fsdp2xtp2-llama": ("llama", FSDP2_TP2),
                 "save-tp2pp2": ("gpt2", [*RESHARD, "parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1",
@@ -122,6 +131,18 @@ def test_activation_checkpointing_changes_memory_not_results(corpus, single, tmp
 def test_pipeline_schedule_trains_like_one_process(launch, single, family, schedule):
     _, dirs = launch(2)
     assert_same_run(trainkit.run_records(dirs[f"pp2-{schedule}"]), single(family, "model.n_layer=4"))
+
+
+@pytest.mark.parametrize("layout", sorted(DOCUMENT_LAYOUTS))
+def test_document_masks_train_like_one_process(launch, single, layout):
+    """data.document_mask under tp=2 (sequence parallel), DDP, FSDP2 and two pipeline schedules: the losses of one
+    process with the same masks; and those differ from plain causal training, so the masks did reach the stages."""
+    family, _ = DOCUMENT_LAYOUTS[layout]
+    _, dirs = launch(2)
+    want = single(family, *DOCUMENTS)
+    assert_same_run(trainkit.run_records(dirs[f"documents-{layout}"]), want)
+    causal = single(family, *DOCUMENTS[1:])
+    assert all(want[s]["loss"] != causal[s]["loss"] for s in (1, 2, 3, 4))
 
 
 @pytest.mark.slow
