@@ -130,7 +130,8 @@ class DataSection:
     document_mask: bool = False
     """Train packed samples as documents: attention causal within each document and blocked across them, positions
     restarting per document (the loaders' cu_seqlens, as Megatron-LM's --dataloader-inter-document-masking). Off:
-    every sample is one causal sequence, today's losses bit for bit. GPT-2 and Llama; not RETRO, not pipelines yet."""
+    every sample is one causal sequence, today's losses bit for bit. GPT-2 and Llama, every layout (the boundaries
+    travel with each pipeline micro-batch); not RETRO."""
 
 
 @dataclass(frozen=True)
@@ -644,10 +645,6 @@ def _check_document_mask(cfg: TrainConfig) -> None:
     if cfg.family == "retro":
         raise ConfigError("data.document_mask: RETRO does not train with document masks yet; set "
                           "data.document_mask=false", ["data.document_mask", "model.name"])  # fmt: skip
-    if cfg.parallel.pp != 1:
-        raise ConfigError(f"data.document_mask: pipeline stages (parallel.pp = {cfg.parallel.pp}) do not carry the "
-                          "document boundaries yet; set parallel.pp=1 or data.document_mask=false",
-                          ["data.document_mask", "parallel.pp"])  # fmt: skip
 
 
 def _check_retro(r: RetroSection) -> None:

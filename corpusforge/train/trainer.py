@@ -496,9 +496,13 @@ def pipeline_pass(plan: Plan, batch: dict[str, torch.Tensor], train: bool = True
     targets = torch.where(batch["loss_mask"] > 0, batch["labels"], -1)
     losses: list[torch.Tensor] = []
     args = (batch["tokens"],) if 0 in plan.stage_ids else ()
+    # data.document_mask: every stage masks attention by document, and Llama's stages rotate by position, so the
+    # boundaries and the restarting positions travel with each micro-batch as keyword arguments, which the schedule
+    # splits like the tokens and hands to every stage (activations alone pass between stages).
+    documents = {k: batch[k] for k in ("position_ids", "cu_seqlens")} if "cu_seqlens" in batch else {}
     run = plan.schedule.step if train else plan.schedule.eval
     with plan.loss_context(), autocast(plan):
-        run(*args, target=targets, losses=losses)
+        run(*args, target=targets, losses=losses, **documents)
     if last in plan.stage_ids:
         return torch.stack([x.detach() for x in losses]).sum()
     return torch.zeros((), device=plan.rt.device)
