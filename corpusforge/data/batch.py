@@ -129,7 +129,8 @@ def boundary_block(b: int, s: int, pin_memory: bool = False) -> tuple[Any, Any, 
 
 def boundary_views(flat: Any, b: int, s: int) -> tuple[Any, Any, Any]:
     """The (4, B, S) block, cu_seqlens (B, S + 1) and max_seqlen (B,) in a flat int32 tensor of B * (5S + 2)."""
-    block, cu_seqlens, max_seqlen = flat.split((4 * b * s, b * (s + 1), b))  # one call for three views
+    # one call for three views; torch.split_with_sizes itself, as Tensor.split's Python wrapper costs as much again
+    block, cu_seqlens, max_seqlen = _torch().split_with_sizes(flat, (4 * b * s, b * (s + 1), b))
     return block.view(4, b, s), cu_seqlens.view(b, s + 1), max_seqlen
 
 

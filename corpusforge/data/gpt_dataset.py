@@ -1225,7 +1225,9 @@ class GPTDataset:
             flat = np.empty(5 * s + 2, np.int32)
             if self._read_flat(np.array([i], np.int64), flat):
                 # six views in one call: a torch call costs ~1-3 us here, as much as the boundaries themselves
-                tokens, labels, loss_mask, positions, cu_seqlens, max_seqlen = _from_numpy(flat).split(_splits(s))
+                # (torch.split_with_sizes itself: Tensor.split's Python wrapper costs as much again)
+                parts = _torch().split_with_sizes(_from_numpy(flat), _splits(s))
+                tokens, labels, loss_mask, positions, cu_seqlens, max_seqlen = parts
                 loss_mask, max_seqlen = loss_mask.view(_float32()), max_seqlen.view(())
                 return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions,
                         "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}  # fmt: skip
