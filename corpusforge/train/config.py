@@ -133,6 +133,15 @@ class DataSection:
     every sample is one causal sequence, today's losses bit for bit. GPT-2 and Llama, every layout (the boundaries
     travel with each pipeline micro-batch); not RETRO."""
 
+    curriculum: list[dict[str, Any]] = field(default_factory=list)
+    """Phases of the data: blend weights and/or a sequence length that change over training, exact on resume. Each
+    phase a table: `until_step` (or `until_tokens`, a multiple of schedule.global_batch_tokens; the last phase
+    without one runs to schedule.max_steps), `weights` (one per data.path dataset, 0 to leave one out; default
+    data.path's), `seq_length` (dividing model.seq_length; default model.seq_length). Tokens per step and per
+    micro-batch stay constant: a phase of half the length reads twice the samples. Empty: no curriculum. E.g.
+    curriculum = [{until_step = 200, seq_length = 512, weights = [0.9, 0.1]}, {weights = [0.6, 0.4]}]
+    (see corpusforge.data.curriculum)."""
+
 
 @dataclass(frozen=True)
 class OptimizerSection:
@@ -356,7 +365,7 @@ class TrainConfig:
     ffn_hidden, rope_theta, vocab_size, seq_length, dropout, bias)."""
 
     data: DataSection = field(default_factory=DataSection)
-    """What is read: the section [data] (path, split, cache_dir, num_workers, source)."""
+    """What is read: the section [data] (path, split, cache_dir, num_workers, source, document_mask, curriculum)."""
 
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     """AdamW: the section [optimizer] (lr, weight_decay, beta1, beta2, eps, grad_clip)."""
@@ -633,6 +642,7 @@ def _check_values(cfg: TrainConfig) -> None:
     _check_parallel(cfg.parallel)
     _check_retro(cfg.retro)
     _check_document_mask(cfg)
+    _check_curriculum(cfg)
 
 
 def _check_document_mask(cfg: TrainConfig) -> None:
@@ -645,6 +655,25 @@ def _check_document_mask(cfg: TrainConfig) -> None:
     if cfg.family == "retro":
         raise ConfigError("data.document_mask: RETRO does not train with document masks yet; set "
                           "data.document_mask=false", ["data.document_mask", "model.name"])  # fmt: skip
+
+
+def _check_curriculum(cfg: TrainConfig) -> None:
+    """Each phase of data.curriculum (corpusforge.data.curriculum says what), and what it does not reach yet."""
+    if not cfg.data.curriculum:
+        return
+    from corpusforge.data.curriculum import Curriculum
+
+    s = cfg.schedule
+    curriculum = Curriculum.from_table(cfg.data.curriculum, s.max_steps, s.global_batch_tokens, cfg.model.seq_length,
+                                       cfg.data.path)  # fmt: skip
+    if cfg.data.source == "synthetic" or cfg.family == "retro":
+        raise ConfigError("data.curriculum: a curriculum is for token datasets read by GPT-2 and Llama models (not "
+                          "synthetic tokens, not RETRO); drop data.curriculum",
+                          ["data.curriculum", "data.source"])  # fmt: skip
+    if cfg.parallel.pp != 1 and {p.seq_length for p in curriculum.phases} != {cfg.model.seq_length}:
+        raise ConfigError(f"data.curriculum: pipeline stages (parallel.pp = {cfg.parallel.pp}) take one sequence "
+                          "length; drop the phases' seq_length or set parallel.pp=1",
+                          ["data.curriculum", "parallel.pp"])  # fmt: skip
 
 
 def _check_retro(r: RetroSection) -> None:

@@ -26,6 +26,7 @@ class TrainData:
     train_tokens_per_epoch: int  # tokens of the train split(s), before the sample index repeats them
     read_modes: dict[str, str] = field(default_factory=dict)  # how each dataset is read, and why (run summary)
     valid_random: Any | None = None  # RETRO: the validation samples with random neighbours (the retrieval gap)
+    curriculum: dict[str, Any] | None = None  # data.curriculum: tokens per phase, source and length (dry run, plan)
 
     def __post_init__(self) -> None:
         self.valid_start = self.valid.state_dict() if self.valid is not None else None  # rewound before each eval
@@ -94,8 +95,12 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
     )
     cache_dir = cfg.data.cache_dir or str(Path(cfg.out_dir) / "index-cache")
 
+    options = {"document_boundaries": True} if cfg.data.document_mask else {}  # off: today's batches
+
     def build():
         try:
+            if cfg.data.curriculum:
+                return build_curriculum_splits(cfg, valid_samples, cache_dir, options)
             return build_gpt_datasets(
                 cfg.data.path,
                 seq_length=cfg.model.seq_length,
@@ -104,7 +109,7 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
                 num_samples=(train_samples, valid_samples, 0),
                 cache_dir=cache_dir,
                 storage=cfg.storage,
-                **({"document_boundaries": True} if cfg.data.document_mask else {}),  # off: today's batches
+                **options,
             )
         except OSError as e:  # a missing prefix, a dataset over the local cache's cap, an unreachable endpoint
             raise DataError(_cache_error(e, cache_dir)) from None
@@ -132,7 +137,33 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
     valid_loader = None
     if cfg.metrics.eval_interval:
         valid_loader = make_loader(valid, cfg.schedule.micro_batch_size, rank, world_size, 0)
-    return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train))
+    curriculum = train.tokens() if cfg.data.curriculum else None
+    return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train), curriculum=curriculum)
+
+
+def build_curriculum_splits(cfg: TrainConfig, valid_samples: int, cache_dir: str, options: dict[str, Any]) -> tuple:
+    """(train, valid, None) of a run with data.curriculum: the train split as the curriculum serves it (in loader
+    units of model.seq_length tokens, as many as without one), validation as without a curriculum (data.path's
+    weights at model.seq_length), so that its losses compare across phases and with runs without one."""
+    from corpusforge.data import build_gpt_datasets
+    from corpusforge.data.blended import parse_blend
+    from corpusforge.data.curriculum import Curriculum, build_curriculum_dataset
+
+    s = cfg.schedule
+    curriculum = Curriculum.from_table(cfg.data.curriculum, s.max_steps, s.global_batch_tokens, cfg.model.seq_length,
+                                       cfg.data.path)  # fmt: skip
+    prefixes, _ = parse_blend(cfg.data.path)
+    try:
+        train = build_curriculum_dataset(curriculum, prefixes, cfg.data.split, cfg.seed, cache_dir, cfg.storage,
+                                         **options)  # fmt: skip
+    except ValueError as e:  # an empty train split; a source too short for what a phase takes is repeated instead
+        raise DataError(str(e)) from None
+    valid = None
+    if valid_samples:  # one train sample: the smallest split a weighted blend builds beside its validation
+        valid = build_gpt_datasets(cfg.data.path, seq_length=cfg.model.seq_length, split=cfg.data.split, seed=cfg.seed,
+                                   num_samples=(1, valid_samples, 0), cache_dir=cache_dir, storage=cfg.storage,
+                                   **options)[1]  # fmt: skip
+    return train, valid, None
 
 
 def _cache_error(e: OSError, cache_dir: str) -> str:

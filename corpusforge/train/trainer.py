@@ -345,6 +345,7 @@ class Plan:
             if self.data
             else None,
             "data_read_modes": self.data.read_modes if self.data else None,
+            **({"curriculum": self.data.curriculum} if self.data and self.data.curriculum else {}),
             "flops_per_token": self.flops_per_token,
             "memory_estimate": {k: round(v, 3) for k, v in self.memory.items()},
             "resume_from": str(self.resume_from) if self.resume_from else None,
@@ -767,6 +768,11 @@ def dry_run_report(plan: Plan, log: Log) -> dict[str, Any]:
         )
     if len(shown) < len(ranks):
         log(f"  ... {len(ranks) - len(shown)} more ranks: the same with other data-parallel coordinates")
+    if plan.data is not None and plan.data.curriculum:  # what each source and each length gives, phase by phase
+        from corpusforge.data.curriculum import report_lines
+
+        for line in report_lines(plan.data.curriculum):
+            log(line)
     return {"dry_run": True, **plan.summary(), "ranks": ranks}
 
 
