@@ -277,8 +277,28 @@ class ParallelConfig:
     """"none", "selective" (keep matmul and attention outputs, recompute the rest) or "full" (recompute each
     block in the backward pass): memory for compute."""
 
+    offload: str = "none"
+    """Where the parameters' optimizer state lives: "none" (on the device), "cpu" (FSDP2's CPUOffloadPolicy:
+    parameters, gradients and optimizer state in host memory; dp_shard > 1) or "nvme" (the fp32 master weights and
+    AdamW's two moments in files under offload_dir, streamed through a few host buffers by each optimizer step; a
+    cache of the state, never the checkpoint). See corpusforge.train.offload."""
+
+    offload_dir: str = ""
+    """offload = "nvme": the directory of the state files (one sub-directory per rank), best on a local NVMe disk;
+    empty: {out_dir}/offload."""
+
     cpu_offload: bool = False
-    """FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory (dp_shard > 1 only)."""
+    """Deprecated: write offload = "cpu" (read as that, with a warning)."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_offload:  # the old flag: the same thing as offload = "cpu", recorded that way from now on
+            if self.offload not in ("none", "cpu"):
+                raise ConfigError(f'parallel.cpu_offload = true and parallel.offload = "{self.offload}": drop '
+                                  "cpu_offload (deprecated)", ["parallel.cpu_offload", "parallel.offload"])  # fmt: skip
+            warnings.warn('parallel.cpu_offload is deprecated; write parallel.offload = "cpu"',
+                          ConfigDeprecationWarning, stacklevel=4)  # fmt: skip
+            object.__setattr__(self, "offload", "cpu")
+            object.__setattr__(self, "cpu_offload", False)
 
 
 @dataclass(frozen=True)
@@ -377,7 +397,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the ranks share the work: the section [parallel] with ParallelConfig's keys (dp_replicate, dp_shard,
     tp, pp, sequence_parallel, loss_parallel, pp_schedule, pp_microbatches, pp_layers, activation_checkpoint,
-    cpu_offload); `parallel = "ddp"` or `"fsdp"` as before."""
+    offload, offload_dir); `parallel = "ddp"` or `"fsdp"` as before."""
 
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Checkpoints: the section [checkpoint] (interval, keep, async_write, resume)."""
@@ -565,6 +585,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-tiny": {"shape": (2, 4, 64), "n_kv_head": 2, "ffn_hidden": 192, "rope_theta": 10000.0},
 }  # fmt: skip
 
+# parallel.offload: where the optimizer state lives (corpusforge.train.offload)
+OFFLOAD_PLACEMENTS = ("none", "cpu", "nvme")
+
 # storage_options keys whose values are not written to config.json (s3fs: key, secret, token; others: password).
 SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
@@ -712,6 +735,15 @@ def _check_parallel(p: ParallelConfig) -> None:
             f'parallel.activation_checkpoint = {p.activation_checkpoint!r}: "none", "selective" or "full"',
             ["parallel.activation_checkpoint"],
         )
+    if p.offload not in OFFLOAD_PLACEMENTS:
+        close = difflib.get_close_matches(p.offload, OFFLOAD_PLACEMENTS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"parallel.offload = {p.offload!r}: choose one of {list(OFFLOAD_PLACEMENTS)}{hint}",
+                          ["parallel.offload"])  # fmt: skip
+    if p.offload == "nvme" and p.pp != 1:
+        raise ConfigError(f'parallel.offload = "nvme" with parallel.pp = {p.pp}: pipeline stages keep their optimizer '
+                          'state in memory for now; set parallel.pp=1 or parallel.offload="cpu"',
+                          ["parallel.offload", "parallel.pp"])  # fmt: skip
     if p.pp_microbatches < 0:
         raise ConfigError(f"parallel.pp_microbatches = {p.pp_microbatches}: must not be negative",
                           ["parallel.pp_microbatches"])  # fmt: skip

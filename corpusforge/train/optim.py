@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from corpusforge.train.config import TrainConfig
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, rank: int = 0,
+                   log: Any = None) -> torch.optim.Optimizer:  # fmt: skip
     """AdamW with weight decay on 2-D parameters (matmul weights, embeddings) and none on biases and LayerNorm
-    gains (nanoGPT configure_optimizers; decaying them only hurts). Fused kernel on GPU: one launch per step."""
+    gains (nanoGPT configure_optimizers; decaying them only hurts). torch's fused kernel on GPU and on CPU alike: one
+    launch per step there, and on CPU the same math as parallel.offload = "nvme" streams through its files
+    (NvmeAdamW, under {offload_dir}/rank_{rank}), so the placements' losses are bit-identical."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the tied matrix appears once
     o = cfg.optimizer
     # A model may train parts at a fraction of the rate (RetroModel.lr_scales: {"encoder.": 0.1}); each group
@@ -31,8 +35,13 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
             {"params": [p for p in part if p.dim() >= 2], "weight_decay": o.weight_decay, **extra},
             {"params": [p for p in part if p.dim() < 2], "weight_decay": 0.0, **extra},
         ]
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    if cfg.parallel.offload == "nvme":
+        from corpusforge.train.offload import NvmeAdamW, offload_directory
+
+        directory = offload_directory(cfg.parallel.offload_dir, cfg.out_dir, rank)
+        return NvmeAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                         directory=directory, log=log)  # fmt: skip
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -128,8 +128,10 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_cfg: GPTConfig | Lla
                 f"parallel.tp = {layout.tp} does not divide seq_length {cfg.model.seq_length} (sequence parallel "
                 f"splits it); change model.seq_length or set parallel.sequence_parallel=false"
             )
-    if p.cpu_offload and not layout.fsdp:
-        raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.dp_shard above 1 (or -1)")
+    if p.offload == "cpu" and not layout.fsdp:
+        raise ConfigError(
+            'parallel.offload = "cpu" (the old parallel.cpu_offload): cpu_offload needs FSDP2; set dp_shard above 1'
+        )
     if layout.pp > 1:
         stages, micro = pipeline_split(cfg, layout, model_cfg)
         layout = Layout(**degrees, stage_layers=stages, microbatches=micro)
@@ -409,7 +411,7 @@ def parallelize(model: torch.nn.Module, cfg: TrainConfig, layout: Layout, mesh: 
     apply_ac(model, p.activation_checkpoint)
     if layout.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, dtype, p.cpu_offload, compiled)
+        apply_fsdp(model, dp_mesh, dtype, p.offload == "cpu", compiled)
     return model
 
 

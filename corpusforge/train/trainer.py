@@ -316,6 +316,7 @@ class Plan:
     schedule: Any = None  # the pipeline schedule when pp > 1 (then `model` is a ModuleList of this rank's stages)
     tied_group: Any = None  # pp > 1 with a tied embedding: the ranks of the first and last stage (pipeline.py)
     watchdog: Watchdog | None = None  # slow and hung reads (run() starts it)
+    placements: dict = field(default_factory=dict)  # offload_bytes(): {placement: {device, host, disk}}
 
     def loss_context(self):
         """loss_parallel() when the head's logits stay vocabulary-sharded (forward and backward both need it)."""
@@ -391,14 +392,31 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     memory = max((memory_estimate(g, n_params, cfg, layout, dtype, r) for r in range(layout.pp)),
                  key=lambda m: m["total_gb"])  # the most loaded pipeline position  # fmt: skip
     plan = Plan(cfg, rt, g, layout, accum, n_params, fpt, memory, data=data, resume_from=resume_from)
+    plan.placements = offload_bytes(plan)
+    if cfg.parallel.offload == "nvme":  # a disk too small for the state: refused before any work
+        from corpusforge.train.offload import check_offload_space, offload_directory
+
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        directory = offload_directory(cfg.parallel.offload_dir, cfg.out_dir, rt.rank).parent
+        rt.agree(lambda: check_offload_space(directory, plan.placements["nvme"]["disk"] * local_ranks))
     if dry_run:
         return plan
     plan.model, plan.step_model = wrap_model(model, cfg, rt, layout, plan)
     if plan.schedule is not None:  # one optimizer per stage, so that each state is keyed by parameter names
         plan.optimizer = pipe.Optimizers([make_optimizer(part, cfg, rt.device) for part in plan.model])
-    else:
-        plan.optimizer = make_optimizer(plan.model, cfg, rt.device)
+    else:  # nvme: the state files are made here (fallocate: a full offload_dir is every rank's one line)
+        plan.optimizer = rt.agree(lambda: make_optimizer(plan.model, cfg, rt.device, rt.rank, default_log(rt)))
     return plan
+
+
+def offload_bytes(plan: Plan) -> dict[str, dict[str, int]]:
+    """Bytes of the most loaded rank's parameter state on the device, in host memory and on disk, per placement."""
+    from corpusforge.train.offload import placement_bytes
+
+    layout = plan.layout
+    most = max(par.rank_parameters(layout, plan.gpt, par.stages_of_rank(layout, r, plan.cfg.parallel.pp_schedule),
+                                   plan.n_params) for r in range(layout.pp))  # fmt: skip
+    return placement_bytes(int(most / (layout.dp_shard if layout.fsdp else 1)))
 
 
 def wrap_model(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par.Layout,
@@ -445,7 +463,7 @@ def shard_retro_encoder(model: RetroModel, cfg: TrainConfig, layout: par.Layout,
         "mesh": dp_mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
     }
-    if cfg.parallel.cpu_offload:
+    if cfg.parallel.offload == "cpu":
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     fully_shard(model.encoder, **options)
 
@@ -768,12 +786,15 @@ def dry_run_report(plan: Plan, log: Log) -> dict[str, Any]:
         )
     if len(shown) < len(ranks):
         log(f"  ... {len(ranks) - len(shown)} more ranks: the same with other data-parallel coordinates")
+    for name, where in plan.placements.items():  # parallel.offload: what each placement would put where
+        chosen = " (chosen)" if name == cfg.parallel.offload else ""
+        log(f"  offload {name:<4}{chosen}: per rank " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in where.items()))
     if plan.data is not None and plan.data.curriculum:  # what each source and each length gives, phase by phase
         from corpusforge.data.curriculum import report_lines
 
         for line in report_lines(plan.data.curriculum):
             log(line)
-    return {"dry_run": True, **plan.summary(), "ranks": ranks}
+    return {"dry_run": True, **plan.summary(), "ranks": ranks, "offload_bytes": plan.placements}
 
 
 class RunFiles:
@@ -811,7 +832,9 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
     cfg, rt = plan.cfg, plan.rt
     out = Path(cfg.out_dir)
     writer = rt.agree(lambda: RunFiles(cfg, rt))
-    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, cfg.checkpoint.async_write, agree=rt.agree)
+    # nvme: saved from the state files' maps tensor by tensor, not staged whole in RAM (offload/nvme_optimizer.py)
+    asynchronous = cfg.checkpoint.async_write and cfg.parallel.offload != "nvme"
+    saver = ckpt.Checkpointer(out, rt.rank, cfg.checkpoint.keep, asynchronous, agree=rt.agree)
     start = resume(plan, log, saver.group) if plan.resume_from else 0
     if not plan.resume_from:
         torch.manual_seed(cfg.seed + rt.rank)  # each rank its own dropout masks
