@@ -59,6 +59,13 @@ class StorageConfig:
     verify_sha256: bool = False
     """Re-hash a local-cache copy against the sha256 recorded at copy time each time it is opened (O(size))."""
 
+    node_share_dir: str | None = None
+    """A node-local directory (e.g. "/dev/shm") where the first process of a node to open a blend reads every .idx
+    and stats every .bin once, for the node's other processes to map (storage/node_share.py): the shared file
+    system's metadata operations per dataset are then made once per node, not once per rank, and the others wait on
+    a node-local flock, not a job-wide barrier. None: each process reads the indices itself. Local paths only (URLs
+    and the local cache tier are opened per process)."""
+
     def __post_init__(self) -> None:
         if self.read_mode not in READ_MODES:
             raise ValueError(f"read_mode {self.read_mode!r}: choose one of {READ_MODES}")

@@ -20,6 +20,7 @@ from corpusforge.fsutil import is_url
 from corpusforge.indexed import IndexedDataset, IndexedFormatError, OpenedIndex, open_index, require_pair
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.local_cache import LocalCache, ReaderPin
+from corpusforge.storage.node_share import open_shared
 from corpusforge.storage.read_mode import SMALL_GROUP_MIN, choose_read_modes
 from corpusforge.storage.readers import open_reader
 from corpusforge.storage.remote import fetch_index
@@ -60,6 +61,8 @@ def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig |
     """
     config = config or StorageConfig()
     texts = [os.fspath(p).removeprefix("file://") for p in prefixes]
+    if config.node_share_dir is not None and config.local_cache_dir is None and not any(map(is_url, texts)):
+        return open_shared(texts, config, open_datasets)  # one process of the node reads; the others map its share
     grouped = config.read_mode == "auto" and config.local_cache_dir is None and len(texts) >= SMALL_GROUP_MIN
     found = _stat_bins(texts) if grouped and not any(map(is_url, texts)) else None
     if found is None:  # one by one: a missing file is then reported in the order of the prefixes

@@ -1,0 +1,118 @@
+"""storage.node_share_dir with real processes: one process of a node reads a blend's indices, the others map its
+share, and a leader killed (SIGKILL) while reading or while writing the share leaves nobody hanging and nothing
+half-written under the share's name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from loader_data import write_dataset
+
+from corpusforge.data import build_gpt_datasets
+from corpusforge.storage import StorageConfig
+
+CHILD = Path(__file__).with_name("node_share_child.py")
+DATASETS = 12
+TIMEOUT = 90
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory) -> list:
+    root = tmp_path_factory.mktemp("node-share-data")
+    prefixes = [write_dataset(root / f"d{k:02d}_text_document", 30 + 7 * k, seed=k, max_len=90) for k in range(12)]
+    return [x for k, p in enumerate(prefixes) for x in (p, 1.0 + k / 10)]
+
+
+@pytest.fixture(scope="module")
+def reference(blend, tmp_path_factory) -> str:
+    """The digest of one process reading for itself (no sharing: no LOCAL_WORLD_SIZE, no job name)."""
+    train, _, _ = build_gpt_datasets(
+        blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0), cache_dir=tmp_path_factory.mktemp("c")
+    )
+    return hashlib.sha256(train.read_raw(range(len(train))).text.tobytes()).hexdigest()
+
+
+def start(tmp_path: Path, blend: list, job: str, name: str, stall: str | None = None) -> subprocess.Popen:
+    spec = {"blend": blend, "cache_dir": str(tmp_path / "cache"), "share_dir": str(tmp_path / "shm"),
+            "ready": str(tmp_path / f"{name}.ready"), "stall": stall}  # fmt: skip
+    (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+    env = {**os.environ, "CORPUSFORGE_NODE_SHARE_JOB": job, "PYTHONPATH": str(CHILD.parent)}
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), str(tmp_path / f"{name}.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+
+
+def result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_one_process_reads_the_others_map_and_read_no_index(blend, reference, tmp_path, monkeypatch):
+    job = uuid.uuid4().hex
+    procs = [start(tmp_path, blend, job, f"rank{r}") for r in range(2)]
+    results = [result(p) for p in procs]
+    assert [r["digest"] for r in results] == [reference] * 2
+    assert sorted(r["from_share"] for r in results) == [False, True]  # exactly one read the indices
+    # A process of the same job on this node opening the blend now touches no .idx at all: with every .idx gone it
+    # still gets the same samples (its tokens come from the .bin files, as anyone's).
+    moved = []
+    try:
+        for prefix in blend[0::2]:
+            os.rename(f"{prefix}.idx", f"{prefix}.idx.away")
+            moved.append(prefix)
+        late = opened_here(tmp_path, blend, job, monkeypatch)
+    finally:
+        for prefix in moved:
+            os.rename(f"{prefix}.idx.away", f"{prefix}.idx")
+    assert late == (reference, True)
+    # Another job (another name) does not map this job's share: it reads for itself.
+    assert opened_here(tmp_path, blend, uuid.uuid4().hex, monkeypatch) == (reference, False)
+
+
+def opened_here(tmp_path: Path, blend: list, job: str, monkeypatch) -> tuple[str, bool]:
+    """(digest, from_share) of this test process opening the blend as a process of `job`."""
+    monkeypatch.setenv("CORPUSFORGE_NODE_SHARE_JOB", job)
+    train, _, _ = build_gpt_datasets(
+        blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0), cache_dir=tmp_path / "cache",
+        storage=StorageConfig(node_share_dir=str(tmp_path / "shm")),
+    )  # fmt: skip
+    digest = hashlib.sha256(train.read_raw(range(len(train))).text.tobytes()).hexdigest()
+    return digest, isinstance(train.datasets[0].indexed._idx, memoryview)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stall", ["reading", "writing"])
+def test_killed_leader_leaves_no_one_waiting_and_no_half_share(blend, reference, tmp_path, stall, monkeypatch):
+    job = uuid.uuid4().hex
+    leader = start(tmp_path, blend, job, "leader", stall=stall)
+    deadline = time.monotonic() + TIMEOUT
+    while not (tmp_path / "leader.ready").exists():
+        assert leader.poll() is None, leader.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the leader never reached its stall"
+        time.sleep(0.05)
+    shares = list((tmp_path / "shm").glob("corpusforge-share-*.bin"))
+    assert shares == []  # mid-write: only a temporary name exists
+    if stall == "writing":
+        assert len(list((tmp_path / "shm").glob("corpusforge-share-*.tmp"))) == 1
+    waiter = start(tmp_path, blend, job, "waiter")
+    time.sleep(1.0)
+    assert waiter.poll() is None  # it waits on the node-local lock
+    leader.send_signal(signal.SIGKILL)
+    leader.communicate(timeout=TIMEOUT)
+    # It reads in the dead leader's place, then writes the share, which this test process (same job) maps.
+    assert result(waiter) == {"digest": reference, "from_share": False}
+    assert opened_here(tmp_path, blend, job, monkeypatch) == (reference, True)
+    assert list((tmp_path / "shm").glob("*.tmp")) == []  # the dead writer's temporary file was removed
+    assert len(list((tmp_path / "shm").glob("corpusforge-share-*.bin"))) == 1
