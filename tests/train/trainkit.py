@@ -85,13 +85,14 @@ def free_port() -> int:
 
 
 def torchrun(overrides: list[str], nproc: int, timeout: int = 240, check: bool = True, options: list[str] = (),
-             wrapper: list[str] = ()):  # fmt: skip
+             wrapper: list[str] = (), launcher: list[str] = ()):  # fmt: skip
     """`torchrun -m corpusforge.train` in its own process group of `nproc` gloo ranks, killed after `timeout`
     seconds (a hung collective fails the test instead of hanging CI); returns the CompletedProcess. `options`: more
     torchrun flags (--log-dir D --redirects 3: each rank's output in its own file); `wrapper`: a script and its
-    arguments that each rank runs instead, which runs `-m corpusforge.train` with the overrides (rank_view.py)."""
+    arguments that each rank runs instead, which runs `-m corpusforge.train` with the overrides (rank_view.py);
+    `launcher`: a command that runs torchrun itself, its ranks inheriting what it sets (a cgroup)."""
     tail = [*options, *(wrapper or ["-m", "corpusforge.train"]), *overrides]
-    return _launch(tail, nproc, timeout, check, f"torchrun {nproc}")
+    return _launch(tail, nproc, timeout, check, f"torchrun {nproc}", launcher)
 
 
 def rank_logs(log_dir: Path | str) -> dict[int, str]:
@@ -112,13 +113,13 @@ def torchrun_runs(runs: list[list[str]], nproc: int, work: Path | str, timeout: 
     return _launch([str(script), str(spec)], nproc, timeout, True, f"torchrun {nproc} ({len(runs)} runs)")
 
 
-def _launch(tail: list[str], nproc: int, timeout: int, check: bool, what: str):
+def _launch(tail: list[str], nproc: int, timeout: int, check: bool, what: str, launcher: list[str] = ()):
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", *tail]  # fmt: skip
+    cmd = [*launcher, sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", *tail]  # fmt: skip
     here = str(Path(__file__).resolve().parent)  # trainkit for the scripts here, before the caller's own path
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}  # fmt: skip
