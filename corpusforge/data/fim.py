@@ -1,0 +1,342 @@
+"""Fill-in-the-middle (FIM) for GPT samples, sample for sample as Megatron-LM's GPTFIMDataset.
+
+Megatron-LM HEAD (megatron/training/datasets/fim_dataset.py at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553;
+not in the megatron-core package) rewrites each sample's text (seq_length + 1 tokens as read) before the tokens,
+labels and masks are made from it. `FIMDataset` wraps a corpusforge `GPTDataset` and does the same; the tokens,
+labels, loss mask and position ids are then made from the rewritten text exactly as for plain samples. Per sample:
+
+1. The text is cut at every FIM eod token. Each non-empty piece before an eod is rewritten (step 2) and followed
+   by the eod; an eod after an empty piece (a leading eod, the second of two) is dropped, and the sample comes
+   out one token shorter; the piece after the last eod is always rewritten, even when empty (it may become the
+   three sentinels alone).
+2. A piece: without `split_sample`, permute(piece, rate). With it: a piece without the split token is
+   permute(piece, rate); otherwise one Bernoulli(rate) draw decides whether its fragments are touched at all, and
+   if so each non-empty fragment between split tokens (and the last one, even empty) is
+   permute(fragment, fragment_rate), the split tokens kept between them.
+3. permute(tokens, p): a Bernoulli(p) draw; on 1 the tokens are decoded to text without special tokens; text
+   starting with `no_prefix` is left as it was; else two character positions drawn with randint(0, len + 1,
+   size=2) and sorted cut the text into prefix, middle, suffix, each encoded on its own; a Bernoulli(spm_rate)
+   draw picks SPM `<prefix> <suffix> suffix <middle> prefix middle` over PSM `<prefix> prefix <suffix> suffix
+   <middle> middle`.
+4. The result is cut to the text's length, or padded with the FIM pad token.
+
+Every draw comes from one numpy `RandomState`, in that order. Megatron keeps one RandomState(seed) per dataset
+object and draws as samples are asked for, so its sample i depends on which samples that process read before
+(and on DataLoader workers, each a copy of the state). `rng="megatron"` does the same (equal to Megatron's samples
+for the same access order); `rng="sample"` (the default) reseeds the RandomState with (seed, i) for sample i, so a
+sample is the same whatever the order, the workers and the resumes (the contract of every corpusforge loader).
+Both are compared with Megatron's own code in tests/data/test_fim.py (benchmarks/megatron_fim_reference.py).
+
+Megatron decodes and encodes with its HuggingFaceTokenizer (include_special_tokens=True, the default at HEAD);
+`FIMTokenizer` does the same from a Hugging Face tokenizer.json with the `tokenizers` library: encoding is
+`tokenizer(text).input_ids` (the post-processor's special tokens added, special-token text matched), decoding
+drops the special tokens (added tokens marked special; the FIM tokens must be among them, as Megatron adds them
+as additional special tokens) and joins the rest with the file's decoder (`convert_tokens_to_string`).
+
+Example:
+    >>> fim = FIMDataset(train, FIMConfig(rate=0.5, spm_rate=0.5), FIMTokenizer("tok/tokenizer.json"))
+    >>> fim.get_batch([0, 1])["tokens"].shape
+    (2, 2048)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corpusforge.data.batch import RawBatch, assemble
+from corpusforge.errors import ArgumentError
+
+RNG_MODES = ("sample", "megatron")
+
+
+@dataclass(frozen=True)
+class FIMConfig:
+    """Megatron-LM's FIM options (megatron/training/arguments.py, --fim-*), with their meanings and defaults."""
+
+    rate: float = 0.5
+    """Probability that a sample (or, with split_sample, a sample holding the split token) is rewritten
+    (--fim-rate)."""
+
+    spm_rate: float = 0.5
+    """Probability that a rewritten piece is laid out SPM rather than PSM (--fim-spm-rate)."""
+
+    split_sample: str | None = None
+    """A token (one vocabulary entry) at which a sample is cut into fragments rewritten one by one, e.g. a file
+    separator when a document is a repository (--fim-split-sample)."""
+
+    fragment_rate: float | None = None
+    """Probability that each fragment is rewritten; needed with split_sample (--fim-fragment-rate)."""
+
+    no_prefix: str | None = None
+    """Text that keeps a piece whose decoded text starts with it as it is (--fim-no-prefix)."""
+
+    prefix_token: str = "<fim_prefix>"
+    """(--fim-prefix-token)"""
+
+    middle_token: str = "<fim_middle>"
+    """(--fim-middle-token)"""
+
+    suffix_token: str = "<fim_suffix>"
+    """(--fim-suffix-token)"""
+
+    pad_token: str = "<fim_pad>"
+    """Pads a sample the rewrite made shorter (--fim-pad-token)."""
+
+    eod_token: str = "<|endoftext|>"
+    """The end of a document: pieces between two are rewritten separately (--fim-eod-token)."""
+
+    seed: int | None = None
+    """Seed of the draws; None: the dataset's seed (Megatron: random_seed)."""
+
+    rng: str = "sample"
+    """"sample": sample i's draws come from RandomState((seed, i)), the same whatever the order it is read in;
+    "megatron": one RandomState(seed) drawn in the order samples are read, as GPTFIMDataset does."""
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "spm_rate", "fragment_rate"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ArgumentError(f"fim {name}={value}: a probability must be within [0, 1]")
+        if self.split_sample is not None and self.fragment_rate is None:
+            raise ArgumentError("fim split_sample needs fragment_rate (--fim-fragment-rate): the rate of each fragment")
+        if self.rng not in RNG_MODES:
+            raise ArgumentError(f"fim rng={self.rng!r}: give one of {', '.join(RNG_MODES)}")
+
+    def tokens(self) -> dict[str, str]:
+        """The special tokens by role, as Megatron's fim_extra_tokens."""
+        return {
+            "prefix": self.prefix_token,
+            "middle": self.middle_token,
+            "suffix": self.suffix_token,
+            "pad": self.pad_token,
+            "eod": self.eod_token,
+        }
+
+
+class FIMTokenizer:
+    """Decoding and encoding as Megatron's HuggingFaceTokenizer does them for FIM, from a tokenizer.json.
+
+    Example:
+        >>> tok = FIMTokenizer("tok/tokenizer.json")
+        >>> tok.encode(tok.decode([17, 42]))
+        [17, 42]
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        import tokenizers
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            text = path.read_text(encoding="utf-8")
+            self._tok = tokenizers.Tokenizer.from_str(text)
+        except (OSError, ValueError, Exception) as e:  # tokenizers raises a bare Exception for a malformed file
+            raise ArgumentError(f"{path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+        self.path = path
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        added = json.loads(text).get("added_tokens") or []
+        self.special_ids = frozenset(int(t["id"]) for t in added if t.get("special"))
+        self._decoder = self._tok.decoder
+
+    def token_id(self, token: str) -> int:
+        """The id of a token given by its text (Megatron: tokens_to_ids); an error names a missing one."""
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise ArgumentError(f"{self.path}: no token {token!r}; add it to the tokenizer or name another")
+        return int(found)
+
+    def decode(self, ids: Any) -> str:
+        """Text of `ids` without special tokens (Megatron: ids_to_text(ids, remove_special_tokens=True))."""
+        id_to_token, specials = self._tok.id_to_token, self.special_ids
+        tokens = [id_to_token(i) for i in np.asarray(ids).tolist() if i not in specials]
+        tokens = [t for t in tokens if t is not None]
+        if self._decoder is None:
+            return " ".join(tokens)
+        return self._decoder.decode(tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` (Megatron: text_to_ids with include_special_tokens, i.e. tokenizer(text).input_ids)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokenizer": str(self.path)}
+
+
+class FIMTransform:
+    """The rewrite of one sample's text (Megatron's _query_document_sample_shuffle_indices after the read).
+
+    Example:
+        >>> t = FIMTransform(FIMConfig(rate=1.0), FIMTokenizer("tok/tokenizer.json"))
+        >>> t(np.array([5, 6, 7]), np.random.RandomState(1)).shape
+        (3,)
+    """
+
+    def __init__(self, config: FIMConfig, tokenizer: FIMTokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        ids = {role: tokenizer.token_id(token) for role, token in config.tokens().items()}
+        self.prefix_id, self.middle_id, self.suffix_id = ids["prefix"], ids["middle"], ids["suffix"]
+        self.pad_id, self.eod_id = ids["pad"], ids["eod"]
+        self.split_id = None if config.split_sample is None else tokenizer.token_id(config.split_sample)
+
+    def __call__(self, sample: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+        """The rewritten sample, int64, as long as `sample`."""
+        breaks = np.flatnonzero(sample == self.eod_id)
+        if len(breaks):
+            parts, start = [], 0
+            for loc in breaks.tolist():
+                if loc - start > 0:  # Megatron keeps only the eods that end a non-empty piece
+                    parts += [self._split_and_permute(sample[start:loc], rng), [self.eod_id]]
+                start = loc + 1
+            parts.append(self._split_and_permute(sample[start:], rng))
+            out = np.concatenate(parts)
+        else:
+            out = self._split_and_permute(sample, rng)
+        n = len(sample)
+        if len(out) >= n:
+            return np.asarray(out[:n], dtype=np.int64)
+        return np.concatenate([out, np.full(n - len(out), self.pad_id)]).astype(np.int64)
+
+    def _split_and_permute(self, piece: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+        """Megatron's _fim_split_and_permute_sequence."""
+        cfg = self.config
+        if self.split_id is None:
+            return self._permute(piece, cfg.rate, rng)
+        breaks = np.flatnonzero(piece == self.split_id)
+        if not len(breaks):
+            return self._permute(piece, cfg.rate, rng)
+        if not rng.binomial(1, cfg.rate):
+            return piece
+        parts, start = [], 0
+        for loc in breaks.tolist():
+            if loc - start > 0:
+                parts += [self._permute(piece[start:loc], cfg.fragment_rate, rng), [self.split_id]]
+            start = loc + 1
+        parts.append(self._permute(piece[start:], cfg.fragment_rate, rng))
+        return np.concatenate(parts)
+
+    def _permute(self, piece: np.ndarray, rate: float, rng: np.random.RandomState) -> np.ndarray:
+        """Megatron's _permute with truncate_or_pad=False (how GPTFIMDataset calls it)."""
+        if not rng.binomial(1, rate):
+            return piece
+        tok = self.tokenizer
+        text = tok.decode(piece)
+        if self.config.no_prefix is not None and text.startswith(self.config.no_prefix):
+            return piece
+        boundaries = sorted(rng.randint(low=0, high=len(text) + 1, size=2).tolist())
+        prefix = np.array(tok.encode(text[: boundaries[0]]), dtype=np.int64)
+        middle = np.array(tok.encode(text[boundaries[0] : boundaries[1]]), dtype=np.int64)
+        suffix = np.array(tok.encode(text[boundaries[1] :]), dtype=np.int64)
+        if rng.binomial(1, self.config.spm_rate):  # SPM, variant 2 of the FIM paper (arXiv:2207.14255)
+            return np.concatenate([[self.prefix_id, self.suffix_id], suffix, [self.middle_id], prefix, middle])
+        return np.concatenate([[self.prefix_id], prefix, [self.suffix_id], suffix, [self.middle_id], middle])
+
+
+class FIMDataset:
+    """A GPTDataset whose samples are rewritten as Megatron-LM's GPTFIMDataset rewrites them (module docstring).
+
+    Serves what the GPTDataset serves (`ds[i]`, `__getitems__`, `get_batch`, `read_raw` for the loader's workers),
+    from the rewritten text; the loader's state carries the FIM options in the fingerprint.
+
+    Example:
+        >>> fim = FIMDataset(train, FIMConfig(rate=0.9, split_sample="<file_sep>", fragment_rate=0.5),
+        ...                  FIMTokenizer("tok/"))
+        >>> loader = make_loader(fim, micro_batch_size=8, num_workers=2)
+    """
+
+    def __init__(self, dataset: Any, config: FIMConfig, tokenizer: FIMTokenizer) -> None:
+        base = dataset.config
+        if dataset.split == "valid" and not base.drop_last_partial_validation_sequence:
+            # GPTFIMDataset's read does not pad a short last sample (GPTDataset's does): it serves a short sample
+            raise ArgumentError(
+                "fim: a validation split with drop_last_partial_validation_sequence=False has a short last sample, "
+                "which Megatron's GPTFIMDataset serves short; keep the default (True)"
+            )
+        if config.rng == "megatron" and hasattr(dataset, "datasets"):
+            raise ArgumentError(
+                "fim rng='megatron' over a blend: Megatron draws from one RandomState per dataset of a blend, in the "
+                "order each is read; use rng='sample'"
+            )
+        self.dataset, self.fim, self.tokenizer = dataset, config, tokenizer
+        self.transform = FIMTransform(config, tokenizer)
+        self.seed = base.seed if config.seed is None else config.seed
+        self._rng = np.random.RandomState(self.seed)
+        # Megatron's masks take the pad id from its tokenizer; a FIM pad counts as padding here only where the
+        # dataset's pad_token_id says so, as there.
+        self.config = base
+        self.split = dataset.split
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return {**self.dataset.fingerprint, "fim": {**asdict(self.fim), "seed": self.seed, **self.tokenizer.describe()}}
+
+    @property
+    def remote(self) -> bool:
+        return self.dataset.remote
+
+    def prefetch(self, ids) -> None:
+        self.dataset.prefetch(ids)
+
+    def load_kernels(self) -> None:
+        load = getattr(self.dataset, "load_kernels", None)
+        if load is not None:
+            load()
+
+    def rng_for(self, i: int) -> np.random.RandomState:
+        """The RandomState sample i draws from: reseeded with (seed, i), or the dataset's running one."""
+        if self.fim.rng == "megatron":
+            return self._rng
+        self._rng.seed([self.seed, int(i)])
+        return self._rng
+
+    def rewrite(self, ids: np.ndarray, text: np.ndarray) -> np.ndarray:
+        """(B, S + extra) int32 rewritten text of samples `ids` read as `text`, in the order of `ids`."""
+        out = np.empty(text.shape, np.int32)
+        for row, i in enumerate(ids.tolist()):
+            out[row] = self.transform(text[row], self.rng_for(i))
+        return out
+
+    def read_raw(self, ids) -> RawBatch:
+        # contiguous: a strided id array would make numba compile another specialisation of the gather (~10 s)
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        raw = self.dataset.read_raw(ids)
+        if raw.cu_seqlens is not None:
+            # Megatron-LM gives a FIM sample one document (its per-document counts are [sample_len])
+            raise ArgumentError("fim: document_boundaries are not defined for FIM samples; turn one of them off")
+        return dataclasses.replace(raw, text=self.rewrite(ids, raw.text), maybe_padded=True)
+
+    def get_batch(self, ids) -> dict[str, np.ndarray]:
+        return assemble(self.read_raw(ids), self.config)
+
+    def __getitems__(self, ids: list[int]) -> dict[str, Any]:
+        return assemble(self.read_raw(ids), self.config, as_torch=True)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: v[0] for k, v in self.__getitems__([i]).items()}
+
+    def __repr__(self) -> str:
+        return f"FIMDataset({self.dataset!r}, rate={self.fim.rate}, spm_rate={self.fim.spm_rate}, rng={self.fim.rng})"
+
+
+def with_fim(datasets: Any, config: FIMConfig | None, tokenizer: str | Path | FIMTokenizer) -> Any:
+    """`datasets` (one, or a (train, valid, test) tuple with Nones) wrapped in FIMDataset; unchanged without config.
+
+    Example:
+        >>> train, valid, test = with_fim(build_gpt_datasets(...), FIMConfig(rate=0.5), "tok/tokenizer.json")
+    """
+    if config is None:
+        return datasets
+    tok = tokenizer if isinstance(tokenizer, FIMTokenizer) else FIMTokenizer(tokenizer)
+    if isinstance(datasets, (tuple, list)):
+        return type(datasets)(None if d is None else FIMDataset(d, config, tok) for d in datasets)
+    return FIMDataset(datasets, config, tok)
