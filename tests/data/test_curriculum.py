@@ -94,7 +94,7 @@ def test_resume_before_at_and_after_each_change_point_on_any_world_size(curricul
     assert shapes == [(8, 16)] * 6 + [(4, 32)] * 2  # 4 units: 8 samples of 16 tokens, then 4 of 32
     assert all(int(d.min()) == 1 for _, d in whole[24:])  # the last phase reads source b only
     for stop in (2, 3, 4, 5, 6, 7):  # before, at and after step 3 (weights) and step 6 (length)
-        for first, then in ((1, 2), (2, 1)):  # another world size; the same one: test_train_curriculum.py
+        for first, then in ((1, 1), (1, 2), (2, 1)):
             head, state = run_loader(train, first, range(stop))
             assert state["consumed_samples"] == stop * 16
             tail, _ = run_loader(train, then, range(stop, STEPS), state)
