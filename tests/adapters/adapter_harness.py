@@ -1,0 +1,127 @@
+"""Shared by the Megatron-LM, HF Trainer and Lightning adapters' tests and their jobs: tiny corpora, the batches a
+job trained on (one file per step), and a job killed with SIGKILL once it has written a checkpoint.
+
+A job writes `step-NNNN.npy` (the tokens of the batch it trained at step N, 1-based) into its output directory as
+it trains, and, with --block-after K, a marker file once its checkpoint after step K is written, then waits to be
+killed: the test kills it there, as a node failure would, with batches already fetched ahead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+
+from loader_data import EOD, VOCAB, write_dataset  # noqa: E402
+
+from corpusforge.fsutil import save_npy_atomic  # noqa: E402
+
+HERE = Path(__file__).parent
+SEQ = 32
+MBS = 2
+STEPS = 6
+SAVE_EVERY = 2
+KILL_AFTER = 4
+__all__ = ["EOD", "VOCAB", "SEQ", "MBS", "STEPS", "SAVE_EVERY", "KILL_AFTER"]
+
+
+def make_corpora(root: Path) -> list[str]:
+    """Two token datasets (uint16 and int32), blended 0.6/0.4 by the tests."""
+    root.mkdir(parents=True, exist_ok=True)
+    return [
+        write_dataset(root / "a_text_document", 200, seed=11, max_len=90),
+        write_dataset(root / "b_text_document", 120, seed=12, max_len=60, dtype=np.int32),
+    ]
+
+
+def blend_of(corpora: list[str]) -> list:
+    return [corpora[0], 0.6, corpora[1], 0.4]
+
+
+def record_step(out: Path, step: int, tokens) -> None:
+    """Keep the tokens a job trained on at `step` (1-based)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_npy_atomic(Path(out) / f"step-{step:04d}.npy", np.asarray(tokens), durable=False)
+
+
+def recorded(out: Path) -> dict[int, np.ndarray]:
+    """{step: tokens} of every step a job recorded."""
+    return {int(p.stem.split("-")[1]): np.load(p) for p in sorted(Path(out).glob("step-*.npy"))}
+
+
+def block_until_killed(marker: Path) -> None:
+    """Tell the test the checkpoint is written, then wait for SIGKILL."""
+    Path(marker).write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
+def job_command(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / script), *args]
+
+
+def start_job(command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def kill_at_marker(proc: subprocess.Popen, marker: Path, log: Path, timeout: float = 180) -> None:
+    """SIGKILL `proc` once it has written `marker` (fail if it ends or stalls before)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not Path(marker).exists():
+            if proc.poll() is not None:
+                tail = Path(log).read_text()[-3000:]
+                raise AssertionError(f"job ended ({proc.returncode}) before its checkpoint: {tail}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no checkpoint marker after {timeout} s: {Path(log).read_text()[-3000:]}")
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def killed_and_resumed(script: str, main, corpora: list[str], cache: Path, root: Path, *killed_args: str):
+    """(uninterrupted, before, after): the steps recorded by `script`'s job run uninterrupted (here, by `main`), by
+    the same job in its own process killed with SIGKILL after its checkpoint at KILL_AFTER, and by the job resumed
+    from that checkpoint (here). The killed process runs while the uninterrupted run does."""
+    base = ["--corpora", ",".join(corpora), "--cache", str(cache)]
+    killed = root / "killed"
+    log = root / "killed.log"
+    root.mkdir(parents=True, exist_ok=True)
+    command = job_command(script, *base, "--out", str(killed), "--block-after", str(KILL_AFTER), *killed_args)
+    proc = start_job(command, log)
+    try:
+        main([*base, "--out", str(root / "uninterrupted")])
+        kill_at_marker(proc, killed / "checkpointed", log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    before = recorded(killed)
+    for path in killed.glob("step-*.npy"):
+        path.unlink()
+    main([*base, "--out", str(killed), "--resume"])
+    return recorded(root / "uninterrupted"), before, recorded(killed)
+
+
+def assert_resumed_exactly(uninterrupted: dict[int, np.ndarray], before: dict[int, np.ndarray],
+                           after: dict[int, np.ndarray], checkpoint_step: int) -> None:  # fmt: skip
+    """The killed run trained steps 1..checkpoint_step (and perhaps more, lost with it) as the uninterrupted one;
+    the resumed run trained exactly steps checkpoint_step+1.. with the uninterrupted run's batches."""
+    assert sorted(uninterrupted) == list(range(1, STEPS + 1))
+    for step in range(1, checkpoint_step + 1):
+        np.testing.assert_array_equal(before[step], uninterrupted[step], err_msg=f"step {step} before the kill")
+    assert sorted(after) == list(range(checkpoint_step + 1, STEPS + 1)), "the resumed run's steps"
+    for step, tokens in after.items():
+        np.testing.assert_array_equal(tokens, uninterrupted[step], err_msg=f"step {step} after resuming")

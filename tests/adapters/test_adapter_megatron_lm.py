@@ -1,0 +1,160 @@
+"""corpusforge's datasets in Megatron-LM's data path (corpusforge.adapters.megatron_lm), against megatron-core's
+own GPTDataset / BlendedDataset built by its BlendedMegatronDatasetBuilder on the same files and arguments.
+
+The consumers run here are those of Megatron-LM's train path that the megatron-core package holds, with what
+Megatron-LM's own code does around them: a torch DataLoader with the default collate and Megatron's pretraining
+sampler (megatron/training/datasets/data_samplers.py is not in the package; corpusforge's PretrainingBatchSampler
+is its equivalent, tested against its semantics in tests/data/test_loader.py), megatron.core.rerun_state_machine's
+RerunDataIterator and megatron.core.utils.get_batch_on_this_cp_rank (context-parallel size 1: no process group
+here). Not run: megatron/training (pretrain(), get_batch_on_this_tp_rank's broadcast), which needs GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+from adapter_harness import EOD, KILL_AFTER, MBS, VOCAB, assert_resumed_exactly, killed_and_resumed, make_corpora
+
+from corpusforge.adapters.megatron_lm import build_datasets, build_datasets_from_args
+from corpusforge.errors import ArgumentError
+
+mgpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+mbuilder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+import megatron_lm_job as job  # noqa: E402  (after importorskip: it imports megatron-core)
+
+
+@pytest.fixture(autouse=True)
+def _single_process_rank(monkeypatch):
+    """megatron-core's BlendedDataset asks torch.distributed for the rank even without a process group."""
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> list[str]:
+    return make_corpora(tmp_path_factory.mktemp("corpora"))
+
+
+class Tokenizer:
+    """The attributes megatron-core's GPTDataset reads from a tokenizer (pad only where given)."""
+
+    def __init__(self, pad: int | None = None) -> None:
+        self.eod, self.vocab_size = EOD, VOCAB
+        if pad is not None:
+            self.pad = pad
+        self.unique_identifiers = {"class": "Tokenizer", "pad": pad}
+
+
+def megatron_core_datasets(args: argparse.Namespace, sizes, tokenizer: Tokenizer, cache):
+    """megatron-core's own (train, valid, test), configured as pretrain_gpt.py configures them from `args`."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    config = mgpt.GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
+        split=args.split, path_to_cache=str(cache), tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )  # fmt: skip
+    return mbuilder.BlendedMegatronDatasetBuilder(mgpt.GPTDataset, list(sizes), lambda: True, config).build()
+
+
+def split_of(dataset):
+    """The split build_pretraining_data_loader (data_samplers.py) reads of a dataset to pick its batch sizes."""
+    if hasattr(dataset, "split"):
+        return dataset.split
+    return getattr(dataset, "index_split", None)
+
+
+def assert_same_batches(ours, theirs, **loader) -> int:
+    """Every batch of Megatron-LM's iterator equal in keys, dtypes, shapes and values; returns how many."""
+    mine, reference = list(job.batches(ours, **loader)), list(job.batches(theirs, **loader))
+    assert len(mine) == len(reference)
+    for step, (a, b) in enumerate(zip(mine, reference)):
+        assert list(a) == list(b), f"batch {step}: keys"
+        for key in b:
+            assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape), f"batch {step}, {key}"
+            assert bool((a[key] == b[key]).all()), f"batch {step}, {key}: values differ"
+    return len(mine)
+
+
+CASES = {
+    "blend": ({}, (60, 12, 6), None),
+    "one dataset, masks, pad": (
+        {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True},
+        (50, 10, 4),
+        7,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_batches_as_megatron_core(tmp_path, corpora, case):
+    """Each split: same len and index_split; for 2 data-parallel ranks, from the start and from a resume point, the
+    same batches out of Megatron-LM's iterator and get_batch_on_this_cp_rank."""
+    changes, sizes, pad = CASES[case]
+    if case != "blend":
+        changes = {**changes, "data_path": [corpora[0]]}
+    args = job.megatron_args(corpora, str(tmp_path / "ours"), **{"split": "80,15,5", **changes})
+    ours = build_datasets_from_args(args, sizes, Tokenizer(pad))
+    theirs = megatron_core_datasets(args, sizes, Tokenizer(pad), tmp_path / "megatron")
+    compared = 0
+    for mine, reference in zip(ours, theirs):
+        assert (mine is None) == (reference is None)
+        if mine is None:
+            continue
+        assert (len(mine), split_of(mine)) == (len(reference), split_of(reference))
+        for rank in (0, 1):
+            for consumed in (0, 2 * MBS * 2):
+                compared += assert_same_batches(mine, reference, consumed=consumed, rank=rank, world=2)
+    assert compared >= 6
+
+
+def test_workers_give_the_same_batches(tmp_path, corpora):
+    """Sent to DataLoader worker processes (pickled), the datasets give the batches they give in this process."""
+    train = build_datasets_from_args(job.megatron_args(corpora, str(tmp_path)), [24, 0, 0], job.TOKENIZER)[0]
+    with_workers, here = list(job.batches(train, 0, workers=2)), list(job.batches(train, 0))
+    assert len(with_workers) == len(here) == 12
+    for a, b in zip(with_workers, here):
+        assert list(a) == list(b) and all(bool((a[k] == b[k]).all()) and a[k].dtype == b[k].dtype for k in a)
+
+
+def test_not_built_on_rank_builds_nothing(tmp_path, corpora):
+    cache = tmp_path / "cache"
+    built = build_datasets([10, 0, 0], corpora[0], 16, cache_dir=cache, is_built_on_rank=lambda: False)
+    assert built == (None, None, None)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize(
+    "flag", ["mock_data", "sft", "fim_data", "train_data_path", "per_split_data_args_path", "hybrid_context_parallel"]
+)
+def test_options_it_does_not_build_are_refused(tmp_path, corpora, flag):
+    args = job.megatron_args(corpora, str(tmp_path), **{flag: True if flag != "train_data_path" else ["x"]})
+    with pytest.raises(ArgumentError, match=f"--{flag.replace('_', '-')}"):
+        build_datasets_from_args(args, [10, 0, 0], job.TOKENIZER)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_no_data_path_is_refused(tmp_path, corpora):
+    with pytest.raises(ArgumentError, match="--data-path"):
+        build_datasets_from_args(job.megatron_args(corpora, str(tmp_path), data_path=None), [10, 0, 0], job.TOKENIZER)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_with_the_next_batch(tmp_path, corpora):
+    """Megatron-LM's loop killed with SIGKILL after its checkpoint at step KILL_AFTER, restarted from that
+    checkpoint's consumed samples: exactly the uninterrupted run's next batches, which are corpusforge's own
+    loader's."""
+    from corpusforge.data import make_loader
+
+    cache = tmp_path / "cache"
+    uninterrupted, before, after = killed_and_resumed("megatron_lm_job.py", job.main, corpora, cache, tmp_path)
+    assert_resumed_exactly(uninterrupted, before, after, KILL_AFTER)
+    train = build_datasets_from_args(job.megatron_args(corpora, str(cache)), [len(uninterrupted) * MBS, 0, 0],
+                                     job.TOKENIZER)[0]  # fmt: skip
+    own = [batch["tokens"].numpy() for _, batch in zip(range(len(uninterrupted)), make_loader(train.dataset, MBS))]
+    np.testing.assert_array_equal(np.stack([uninterrupted[s] for s in sorted(uninterrupted)]), np.stack(own))
