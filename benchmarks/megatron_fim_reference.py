@@ -21,7 +21,8 @@ The tokenizer is a small byte-level BPE trained here on the generated corpus (to
 MegatronTokenizer (huggingface library) with HEAD's defaults given explicitly (use_fast=True,
 include_special_tokens=True) and the FIM tokens as additional special tokens, as Megatron's FIM test loads it.
 The corpus: generated code-like "repositories" (files joined by <file_sep>, some starting with "#!", some
-non-ASCII text so that byte-level pieces are cut inside characters, documents of 1 token to several samples,
+non-ASCII text so that byte-level pieces are cut inside characters, special tokens' text inside the text (which
+Megatron's encoding makes the special token), documents of 1 token to several samples,
 every 7th document encoded a character at a time, so that a rewritten piece re-encodes shorter and is padded).
 
 For every setting, samples 0..N-1 are read in order with Megatron's running RandomState (what rng="megatron"
@@ -101,6 +102,8 @@ ODD = ["café", "naïve", "中文", "数据", "€", "ß", "🙂", "Ω", "ä"]
 
 def _line(rng: np.random.Generator) -> str:
     words = [str(rng.choice(WORDS)) if rng.random() > 0.15 else str(rng.choice(ODD)) for _ in range(rng.integers(1, 8))]
+    if rng.random() < 0.02:  # a special token's text inside the text (encoded as text; re-encoded as the token)
+        words.append(str(rng.choice(SPECIALS)))
     indent = "    " * int(rng.integers(0, 3))
     return indent + " ".join(words) + (f"  # {rng.integers(0, 999)}" if rng.random() < 0.3 else "")
 
@@ -156,6 +159,7 @@ def corpus_tokens(tokenizer_json: Path) -> tuple[np.ndarray, np.ndarray]:
     import tokenizers
 
     tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    tok.encode_special_tokens = True  # a special token's text in a document is text, as corpusforge preprocess reads it
     split_id, eod_id = tok.token_to_id(SPLIT), tok.token_to_id(EOD)
     documents = []
     for d, files in enumerate(corpus_texts(11, 220)):
@@ -220,7 +224,7 @@ def megatron_tokenizer(directory: Path):
     )
 
 
-def build_megatron(classes, tokenizer, prefix: Path, cache: Path, seq_length: int, fim: dict, masks: dict):
+def build_megatron(classes, tokenizer, prefix, cache: Path, seq_length: int, fim: dict, masks: dict, samples=SAMPLES):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     dataset_class, config_class = classes
@@ -238,7 +242,7 @@ def build_megatron(classes, tokenizer, prefix: Path, cache: Path, seq_length: in
         fim_extra_tokens=dict(FIM_TOKENS),
         **fim,
     )
-    return BlendedMegatronDatasetBuilder(dataset_class, [SAMPLES, None, None], lambda: True, config).build()[0]
+    return BlendedMegatronDatasetBuilder(dataset_class, [samples, None, None], lambda: True, config).build()[0]
 
 
 def read_samples(ds, mode: str) -> dict[str, np.ndarray]:

@@ -108,6 +108,9 @@ def test_reference_is_megatron_heads_and_covers_the_edge_cases(reference, tokeni
             (~(text == ids["prefix"]).any(1)).sum(),  # left alone
         ]
     assert (counts > 20).all(), counts
+    # special tokens' text inside documents: encoded as text there, Megatron's re-encoding makes it the token
+    text = tokenizer.decode(reference["corpus/tokens"])
+    assert sum(text.count(t) for t in META["fim_tokens"].values()) > 10
     np.testing.assert_array_equal(reference["off/megatron/text"], reference["off/sample/text"])
 
 
@@ -120,6 +123,18 @@ def test_samples_equal_megatrons(reference, corpus, tokenizer, name, mode):
     fresh = fim_dataset(corpus, tokenizer, name, mode)
     text = fresh.rewrite(ids, fresh.dataset.read_raw(ids).text)
     np.testing.assert_array_equal(text, reference[f"{name}/{mode}/text"], err_msg=f"{name}, rng={mode}: text")
+
+
+@pytest.mark.parametrize("name", ["mixed", "split_no_prefix"])
+def test_the_reference_encoder_gives_the_same_samples_as_the_fast_one(reference, corpus, tokenizer, name):
+    """FIMTokenizer encodes with gigatoken where that gives Megatron's ids; tokenizers alone gives the same."""
+    assert tokenizer._fast is not None  # the fast path is the one the other tests check
+    slow = FIMTokenizer(REFERENCE / "tokenizer", engine="reference")
+    assert slow._fast is None
+    _, fim, _ = setting(name)
+    ids = np.arange(META["samples"])
+    ds = FIMDataset(plain_dataset(corpus, tokenizer, name), FIMConfig(**fim), slow)
+    assert_equal_to_reference(ds.get_batch(ids), reference, name, "sample", ids)
 
 
 def test_rng_sample_is_the_same_in_any_order_and_through_workers(reference, corpus, tokenizer):
