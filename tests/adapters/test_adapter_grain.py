@@ -1,0 +1,121 @@
+"""The Grain adapter with the real grain package: its DataLoader and MapDataset over corpusforge datasets and blends
+give each rank corpusforge's own loader's batches; a process killed after saving Grain's iterator state and a new
+one restoring it give exactly the next batches; a state saved over other data or another layout is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from titan_grain_data import blend, build_train, write_corpora  # noqa: E402
+
+from corpusforge.adapters.grain import GrainSource, grain_dataset, grain_loader  # noqa: E402
+from corpusforge.data import build_gpt_datasets, make_loader  # noqa: E402
+
+JOB = Path(__file__).resolve().parent / "grain_resume_job.py"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    return write_corpora(tmp_path_factory.mktemp("grain") / "data")
+
+
+def corpusforge_batches(dataset, mbs: int, rank: int, world: int) -> list[dict[str, np.ndarray]]:
+    return [{k: v.numpy() for k, v in batch.items()} for batch in make_loader(dataset, mbs, rank, world)]
+
+
+def assert_same(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("kind", ["blend", "single", "boundaries"])
+def test_grain_batches_are_corpusforge_loaders(data, kind):
+    """Each rank of 2, through Grain's DataLoader and its MapDataset, gets exactly its corpusforge micro-batches
+    (every field, dtype included): a weighted blend, one dataset, and samples with their document boundaries."""
+    if kind == "single":
+        dataset, _, _ = build_gpt_datasets(blend(data)[0], seq_length=32, split="90,8,2", num_samples=(150, 0, 0),
+                                           cache_dir=Path(data) / "cache")  # fmt: skip
+    else:
+        dataset = build_train(data, **({"document_boundaries": True} if kind == "boundaries" else {}))
+    for rank in range(2):
+        theirs = corpusforge_batches(dataset, 3, rank, 2)
+        source = GrainSource(dataset, micro_batch_size=3, dp_rank=rank, dp_world_size=2)
+        assert_same(list(grain_loader(source)), theirs)
+        assert_same(list(grain_dataset(source)), theirs)
+
+
+def test_state_restored_in_process_continues_and_other_layouts_are_refused(data):
+    """A DataLoader state restored into a new iterator continues with the next batch; Grain itself refuses the state
+    for a source over other data (another seed) or another rank layout, since the source's repr names both."""
+    train = build_train(data)
+    source = GrainSource(train, 2, 1, 2)
+    it = iter(grain_loader(source))
+    for _ in range(4):
+        next(it)
+    state = it.get_state()
+    expected = next(it)
+    again = iter(grain_loader(GrainSource(train, 2, 1, 2)))
+    again.set_state(state)
+    assert_same([next(again)], [expected])
+    for other in (GrainSource(build_train(data, seed=7), 2, 1, 2), GrainSource(train, 2, 0, 2), GrainSource(train, 4)):
+        refused = iter(grain_loader(other))
+        with pytest.raises(ValueError, match="does not match"):
+            refused.set_state(state)
+
+
+def test_record_out_of_range_names_the_source(data):
+    source = GrainSource(build_train(data), 2, 0, 2)
+    with pytest.raises(IndexError, match=r"record 200 is not in \[0, 200\) of corpusforge.GrainSource"):
+        source[len(source)]
+
+
+def run_job(args: list[str]) -> subprocess.Popen:
+    # its own session: the kill below reaches Grain's worker processes too
+    return subprocess.Popen([sys.executable, str(JOB), *args], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def kill_after_state(job: subprocess.Popen, state: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not state.exists():
+        if job.poll() is not None or time.monotonic() > deadline:
+            os.killpg(job.pid, signal.SIGKILL)
+            raise AssertionError(f"no state saved: {job.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    assert job.wait(timeout=30) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_killed_process_resumed_from_grain_state_gives_the_next_batches(data, tmp_path):
+    """Rank 1 of 2 through Grain's DataLoader with 2 worker processes, and through a MapDataset iterator: SIGKILLed
+    after saving the iterator state at batch 3, a new process restores it and takes batches 3..6 of corpusforge's
+    own loader for that rank (the killed one had read ahead: its workers prefetch, it kept iterating)."""
+    theirs = corpusforge_batches(build_train(data), 2, 1, 2)
+    common = ["--data", data, "--rank", "1", "--world", "2", "--mbs", "2"]
+    kinds = {"loader": ["--kind", "loader", "--workers", "2"], "dataset": ["--kind", "dataset"]}
+    jobs = {k: run_job([*common, *a, "--save-at", "3", "--state-out", str(tmp_path / k)]) for k, a in kinds.items()}
+    for kind, job in jobs.items():
+        kill_after_state(job, tmp_path / kind)
+    resumed = {}
+    for kind, extra in kinds.items():
+        out = tmp_path / f"{kind}.npz"
+        resumed[kind] = (run_job([*common, *extra, "--state-in", str(tmp_path / kind), "--steps", "4", "--out",
+                                  str(out)]), out)  # fmt: skip
+    for job, out in resumed.values():
+        assert job.wait(timeout=120) == 0, job.communicate()[0][-3000:]
+        got = dict(np.load(out))
+        assert_same([{k: v[i] for k, v in got.items()} for i in range(4)], theirs[3:7])
