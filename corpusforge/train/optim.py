@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from corpusforge.train.config import TrainConfig
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, rank: int = 0,
-                   log: Any = None) -> torch.optim.Optimizer:  # fmt: skip
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                   rank: int = 0) -> torch.optim.Optimizer:  # fmt: skip
     """AdamW with weight decay on 2-D parameters (matmul weights, embeddings) and none on biases and LayerNorm
     gains (nanoGPT configure_optimizers; decaying them only hurts). torch's fused kernel on GPU and on CPU alike: one
     launch per step there, and on CPU the same math as parallel.offload = "nvme" streams through its files
@@ -40,7 +39,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 
         directory = offload_directory(cfg.parallel.offload_dir, cfg.out_dir, rank)
         return NvmeAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                         directory=directory, log=log)  # fmt: skip
+                         directory=directory)  # fmt: skip
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 

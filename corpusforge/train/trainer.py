@@ -405,7 +405,7 @@ def prepare(cfg: TrainConfig, rt: Runtime, layout: par.Layout, dry_run: bool = F
     if plan.schedule is not None:  # one optimizer per stage, so that each state is keyed by parameter names
         plan.optimizer = pipe.Optimizers([make_optimizer(part, cfg, rt.device) for part in plan.model])
     else:  # nvme: the state files are made here (fallocate: a full offload_dir is every rank's one line)
-        plan.optimizer = rt.agree(lambda: make_optimizer(plan.model, cfg, rt.device, rt.rank, default_log(rt)))
+        plan.optimizer = rt.agree(lambda: make_optimizer(plan.model, cfg, rt.device, rt.rank))
     return plan
 
 
@@ -847,6 +847,8 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
     info = plan.summary()
     writer.write("plan", info)
     log(f"plan: {json.dumps(info)}")
+    for line in getattr(plan.optimizer, "notes", []):  # parallel.offload = "nvme": its files, O_DIRECT or not
+        log(line)
     if rt.device.type == "cuda" and peak is None:
         log(f"mfu: {torch.cuda.get_device_name(rt.device)} is not in the peak-FLOPS table; set peak_flops to report it")
     last = min(cfg.schedule.max_steps, cfg.schedule.stop_at_step or cfg.schedule.max_steps)

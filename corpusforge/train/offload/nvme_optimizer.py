@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw
 
+from corpusforge.sizes import human_bytes
 from corpusforge.train.offload.state_files import ALIGN_ELEMS, AlignedBuffer, OffloadError, StateFile, align
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -98,8 +99,8 @@ class NvmeAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update with its state in files under `directory` (this rank's own); see the module."""
 
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 directory: Path, chunk_bytes: int = 8 << 20, buffers: int = 4, direct: bool = True,
-                 log: Any = None) -> None:  # fmt: skip
+                 directory: Path, chunk_bytes: int = 8 << 20, buffers: int = 4,
+                 direct: bool = True) -> None:  # fmt: skip
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
                         foreach=None, capturable=False, differentiable=False, fused=True)  # fmt: skip
         super().__init__(params, defaults)
@@ -110,8 +111,12 @@ class NvmeAdamW(torch.optim.Optimizer):
         self.offsets, self.chunks, total = plan_chunks([t.numel() for t in locals_], chunk_bytes // 4)
         self.generation = 0  # optimizer steps taken (the files' generation)
         self._master_stale = True  # the master file is (re)written from the parameters before the next step
-        self._open(locals_, total * 4, direct, log or (lambda line: None))
+        self.notes: list[str] = []  # for the run's log: what the files are and what was found in their place
+        self._open(locals_, total * 4, direct)
         chunk = max((c.length for c in self.chunks), default=ALIGN_ELEMS) * 4
+        self.notes.insert(0, f"offload: nvme: {len(KINDS)} x {human_bytes(total * 4)} of state in {self.directory} "
+                             f"({self.direct_note}), {len(self.chunks)} chunk(s) of up to {human_bytes(chunk)} "
+                             f"through {max(2, buffers)} sets of host buffers")  # fmt: skip
         self._sets = [{k: AlignedBuffer(chunk) for k in KINDS} for _ in range(max(2, buffers))]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-write")
@@ -120,7 +125,7 @@ class NvmeAdamW(torch.optim.Optimizer):
 
     # -- the files
 
-    def _open(self, locals_: list[torch.Tensor], nbytes: int, direct: bool, log: Any) -> None:
+    def _open(self, locals_: list[torch.Tensor], nbytes: int, direct: bool) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.directory / "LOCK", "w")  # noqa: SIM115 - held for the optimizer's life
@@ -137,7 +142,9 @@ class NvmeAdamW(torch.optim.Optimizer):
         for kind in KINDS:
             self.files[kind], previous = StateFile.create(self.directory / f"{kind}.bin", digest, nbytes, direct)
             if previous:
-                log(f"offload: {self.files[kind].path}: {previous}; not read, rebuilt (the checkpoint is the state)")
+                self.notes.append(
+                    f"offload: {self.files[kind].path}: {previous}; not read, rebuilt (the checkpoint is the state)"
+                )
         self.direct_note = self.files["master"].direct_note
 
     def _expose_state(self) -> None:
