@@ -35,6 +35,8 @@ Example:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import difflib
 import math
 from collections.abc import Sequence
@@ -289,6 +291,8 @@ class CurriculumDataset:
         self.configs = configs  # seq_length -> GPTDatasetConfig
         self.config = configs[curriculum.unit_length]  # the options: every length's are the same
         self.unit_ends = curriculum.unit_ends
+        self.ends = self.unit_ends.tolist()  # bisected per batch: cheaper than numpy for a few phases
+        self.starts = [p.start_step * curriculum.units_per_step for p in curriculum.phases]
         # one dataset per source for the run summary (read modes) and the tokens-in-the-split check
         self.datasets = [
             next(ds for (d, _), ds in sources.items() if d == i)
@@ -317,28 +321,33 @@ class CurriculumDataset:
 
     def _samples(self, ids: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """(phase, source of each sample, its sample in that source's dataset) of units `ids`, r samples a unit."""
+        if not len(ids):
+            return 0, np.empty(0, np.int16), np.empty(0, np.int64)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= len(self):
+            raise IndexError(f"loader units out of range [0, {len(self)}): {lo}..{hi}")
+        first, last = bisect.bisect_right(self.ends, lo), bisect.bisect_right(self.ends, hi)
+        p = self.curriculum.phases[first]
+        if first == last:  # a loader's micro-batch: phases start on step boundaries
+            short = ids - self.starts[first]
+            if p.repeat > 1:
+                short = (short[:, None] * p.repeat + np.arange(p.repeat)).reshape(-1)
+            arrays = self.indices[first]
+            return first, arrays["dataset_index"][short], arrays["dataset_sample_index"][short]
         k = np.searchsorted(self.unit_ends, ids, side="right")
-        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
-            raise IndexError(f"loader units out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
-        phase = int(k[0]) if len(ids) else 0
-        p = self.curriculum.phases[phase]
-        if len(ids) and (k != phase).any():
-            other = self.curriculum.phases[int(k[k != phase][0])]
-            if other.seq_length != p.seq_length:  # a loader batch never does: phases start on step boundaries
-                raise ValueError(
-                    f"loader units {ids.tolist()} span phases of seq_length {p.seq_length} and "
-                    f"{other.seq_length}; read them apart"
-                )
-        starts = np.array([q.start_step * self.curriculum.units_per_step for q in self.curriculum.phases], np.int64)
-        which = np.empty(len(ids) * p.repeat, np.int16)
-        inner = np.empty(len(ids) * p.repeat, np.int64)
-        for q in np.unique(k):  # almost always one phase
+        other = self.curriculum.phases[last]
+        if other.seq_length != p.seq_length:
+            raise ValueError(
+                f"loader units {lo}..{hi} span phases of seq_length {p.seq_length} and {other.seq_length}; read them "
+                "apart"
+            )
+        which, inner = np.empty(len(ids) * p.repeat, np.int16), np.empty(len(ids) * p.repeat, np.int64)
+        for q in np.unique(k):
             rows = np.flatnonzero(np.repeat(k == q, p.repeat))
-            local = ids[k == q] - starts[q]
-            short = (local[:, None] * p.repeat + np.arange(p.repeat)).reshape(-1)
+            short = ((ids[k == q] - self.starts[q])[:, None] * p.repeat + np.arange(p.repeat)).reshape(-1)
             which[rows] = self.indices[q]["dataset_index"][short]
             inner[rows] = self.indices[q]["dataset_sample_index"][short]
-        return phase, which, inner
+        return first, which, inner
 
     def read_raw(self, ids) -> Any:
         """The text of units `ids` as read (r rows each), with each row's source when the curriculum blends."""
@@ -348,9 +357,11 @@ class CurriculumDataset:
         phase, which, inner = self._samples(ids)
         s = self.curriculum.phases[phase].seq_length
         config = self.configs[s]
-        parts = {int(d): (which == d, self.sources[(int(d), s)].read_raw(inner[which == d])) for d in np.unique(which)}
-        if len(parts) == 1 and not self.blended:
-            return next(iter(parts.values()))[1]
+        masks = {int(d): which == d for d in np.unique(which)}
+        parts = {d: (rows, self.sources[(d, s)].read_raw(inner[rows])) for d, rows in masks.items()}
+        if len(parts) == 1:  # one source: its batch as it is, rows in order
+            raw = next(iter(parts.values()))[1]
+            return dataclasses.replace(raw, dataset_id=which.astype(np.int32)) if self.blended else raw
         dtype = np.result_type(np.uint16, *(raw.text.dtype for _, raw in parts.values()))
         text = np.empty((len(which), s + config.extra), dtype=dtype)
         for rows, raw in parts.values():
