@@ -192,6 +192,10 @@ class FIMTokenizer:
     def describe(self) -> dict[str, Any]:
         return {"tokenizer": str(self.path)}
 
+    def __reduce__(self):
+        # to spawned DataLoader workers as the file to load (the engines' objects do not all pickle)
+        return (FIMTokenizer, (self.path, self.engine))
+
 
 class FIMTransform:
     """The rewrite of one sample's text (Megatron's _query_document_sample_shuffle_indices after the read).

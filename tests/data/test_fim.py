@@ -8,6 +8,7 @@ Megatron-LM's fim_dataset.py and gpt_dataset.py of the commit in reference.json 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,8 @@ def test_the_reference_encoder_gives_the_same_samples_as_the_fast_one(reference,
 
 
 def test_rng_sample_is_the_same_in_any_order_and_through_workers(reference, corpus, tokenizer):
-    """rng="sample": a sample is the same read alone, in a shuffled batch, or by DataLoader workers."""
+    """rng="sample": a sample is the same read alone, in a shuffled batch, after pickling, or by DataLoader
+    workers."""
     name, mode = "split", "sample"
     ds = fim_dataset(corpus, tokenizer, name, mode)
     shuffled = np.random.default_rng(3).permutation(META["samples"])
@@ -146,6 +148,8 @@ def test_rng_sample_is_the_same_in_any_order_and_through_workers(reference, corp
     one = ds[7]
     for key in FIELDS:
         np.testing.assert_array_equal(one[key].numpy(), reference[f"{name}/{mode}/{key}"][7])
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+    assert_equal_to_reference(copy.get_batch(shuffled), reference, name, mode, shuffled)
     loader = make_loader(ds, micro_batch_size=4, num_workers=2)
     batches = [b for _, b in zip(range(META["samples"] // 4), loader)]
     got = {k: np.concatenate([b[k].numpy() for b in batches]) for k in FIELDS}
