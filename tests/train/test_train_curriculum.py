@@ -22,7 +22,7 @@ from curriculum_record import load, record_samples, save
 from corpusforge.train import load_config, train
 from corpusforge.train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow  # the module's runs: ~15 s on a quiet 2-core machine, 40 s at load 8
+pytestmark = pytest.mark.slow  # the module's runs: 42 s on 2 shared cores at load 6-8 (2026-11-28)
 
 STEPS = 8
 PHASES = "[{until_step=3, seq_length=16, weights=[3, 1]}, {until_tokens=3072, seq_length=16, weights=[1, 3]}, {}]"
