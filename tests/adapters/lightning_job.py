@@ -1,0 +1,73 @@
+"""A few CPU steps of a tiny model with the real lightning.Trainer on CorpusforgeDataModule, recording each step's
+batch as training_step receives it; a checkpoint every SAVE_EVERY steps.
+
+    python lightning_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from adapter_harness import MBS, SAVE_EVERY, SEQ, STEPS, VOCAB, blend_of, block_until_killed, record_step  # noqa: E402
+
+
+def data_module(corpora: list[str], cache: str, workers: int = 0):
+    from corpusforge.adapters.lightning import CorpusforgeDataModule
+
+    return CorpusforgeDataModule(blend_of(corpora), SEQ, MBS, split="1", seed=5, num_samples=(STEPS * MBS, 0, 0),
+                                 cache_dir=cache, num_workers=workers, eod_token_id=0)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--corpora", required=True)
+    p.add_argument("--cache", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--block-after", type=int)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
+    a = p.parse_args(argv)
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = Path(a.out)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def training_step(self, batch, batch_idx):
+            record_step(out, self.global_step + 1, batch["tokens"].numpy())
+            logits = self.head(self.embed(batch["tokens"].long()))  # (B, S, V)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].long().flatten(),
+                                                     reduction="none")  # fmt: skip
+            return (loss * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class BlockAfterCheckpoint(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            # the checkpoint after step K was written at the end of step K; the next batch is already fetched
+            if trainer.global_step == a.block_after:
+                block_until_killed(out / "checkpointed")
+
+    pl.seed_everything(0, verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1, save_last=True)
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[checkpoints, BlockAfterCheckpoint()])  # fmt: skip
+    data = data_module(a.corpora.split(","), a.cache, a.workers)
+    trainer.fit(Tiny(), datamodule=data, ckpt_path=str(out / "ckpt" / "last.ckpt") if a.resume else None)
+
+
+if __name__ == "__main__":
+    main()
