@@ -286,6 +286,12 @@ class FIMDataset:
                 "fim: a validation split with drop_last_partial_validation_sequence=False has a short last sample, "
                 "which Megatron's GPTFIMDataset serves short; keep the default (True)"
             )
+        if getattr(base, "document_boundaries", False):
+            # GPTFIMDataset's read gives one document length per sample ([sample_len]): no boundaries to mask at
+            raise ArgumentError(
+                "fim: Megatron-LM gives a FIM sample as one document, so document_boundaries would mask nothing; "
+                "turn document_boundaries off"
+            )
         if config.rng == "megatron" and hasattr(dataset, "datasets"):
             raise ArgumentError(
                 "fim rng='megatron' over a blend: Megatron draws from one RandomState per dataset of a blend, in the "
@@ -337,9 +343,6 @@ class FIMDataset:
         # contiguous: a strided id array would make numba compile another specialisation of the gather (~10 s)
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         raw = self.dataset.read_raw(ids)
-        if raw.cu_seqlens is not None:
-            # Megatron-LM gives a FIM sample one document (its per-document counts are [sample_len])
-            raise ArgumentError("fim: document_boundaries are not defined for FIM samples; turn one of them off")
         return dataclasses.replace(raw, text=self.rewrite(ids, raw.text), maybe_padded=True)
 
     def get_batch(self, ids) -> dict[str, np.ndarray]:

@@ -195,6 +195,9 @@ def test_bad_options_and_tokenizers_are_one_line_errors(corpus, tokenizer, tmp_p
     with pytest.raises(ArgumentError, match="no token '<fim_hole>'") as e:
         FIMDataset(train, FIMConfig(middle_token="<fim_hole>"), tokenizer)
     assert "tokenizer.json" in str(e.value)
+    bounded = build_gpt_datasets(corpus, 64, META["split"], 1, (8, None, None), document_boundaries=True)[0]
+    with pytest.raises(ArgumentError, match="turn document_boundaries off"):
+        FIMDataset(bounded, FIMConfig(), tokenizer)
     broken = tmp_path / "tokenizer.json"
     broken.write_text('{"model": ')
     with pytest.raises(ArgumentError, match="not a Hugging Face tokenizer.json") as e:
@@ -215,3 +218,18 @@ def test_fingerprint_carries_the_options_and_with_fim_wraps_each_split(corpus, t
     state = make_loader(a[0], micro_batch_size=2).state_dict()
     with pytest.raises(ValueError, match="rate"):
         make_loader(b, micro_batch_size=2).load_state_dict(state)
+
+
+def test_blends_take_rng_sample_and_refuse_rng_megatron(corpus, tokenizer):
+    """Over a blend, rng="sample" rewrites each blend sample by its index (the dataset ids pass through);
+    rng="megatron" is refused, since Megatron draws per dataset of a blend."""
+    eod = tokenizer.token_id(META["fim_tokens"]["eod"])
+    blend = build_gpt_datasets([corpus, 0.5, corpus, 0.5], 64, META["split"], 7, (40, None, None), eod_token_id=eod)[0]
+    with pytest.raises(ArgumentError, match="over a blend"):
+        FIMDataset(blend, FIMConfig(rng="megatron"), tokenizer)
+    ds = FIMDataset(blend, FIMConfig(rate=1.0), tokenizer)
+    ids = np.arange(40)
+    batch = ds.get_batch(ids)
+    np.testing.assert_array_equal(batch["dataset_id"], blend.get_batch(ids)["dataset_id"])
+    assert (batch["tokens"] == tokenizer.token_id(META["fim_tokens"]["prefix"])).any(1).all()
+    np.testing.assert_array_equal(ds.get_batch(ids[::-1])["tokens"][::-1], batch["tokens"])
