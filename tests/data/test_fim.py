@@ -233,3 +233,18 @@ def test_blends_take_rng_sample_and_refuse_rng_megatron(corpus, tokenizer):
     np.testing.assert_array_equal(batch["dataset_id"], blend.get_batch(ids)["dataset_id"])
     assert (batch["tokens"] == tokenizer.token_id(META["fim_tokens"]["prefix"])).any(1).all()
     np.testing.assert_array_equal(ds.get_batch(ids[::-1])["tokens"][::-1], batch["tokens"])
+
+
+def test_byte_level_decoding_equals_tokenizers_on_any_ids(reference, tokenizer):
+    """The byte-table decode (ByteLevel files) gives tokenizers' own decode for any ids: random ones (special ids,
+    bytes cut inside characters, invalid UTF-8) and windows of the corpus."""
+    slow = FIMTokenizer(REFERENCE / "tokenizer", engine="reference")
+    assert tokenizer._bytes is not None and slow._bytes is None
+    rng = np.random.default_rng(0)
+    vocab = slow._tok.get_vocab_size()
+    for n in rng.integers(0, 200, 1500):
+        ids = rng.integers(0, vocab, n)
+        assert tokenizer.decode(ids) == slow.decode(ids), ids.tolist()
+    tokens = reference["corpus/tokens"]
+    for start in range(0, len(tokens) - 300, 211):
+        assert tokenizer.decode(tokens[start : start + 300]) == slow.decode(tokens[start : start + 300])
