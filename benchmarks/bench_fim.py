@@ -46,8 +46,6 @@ SETTINGS = {
     "default": {"fim_rate": 0.5, "fim_spm_rate": 0.5},
     "split": {"fim_rate": 0.5, "fim_spm_rate": 0.5, "fim_split_sample": ref.SPLIT, "fim_fragment_rate": 0.5},
 }
-NAMES = {"fim_rate": "rate", "fim_spm_rate": "spm_rate", "fim_split_sample": "split_sample",
-         "fim_fragment_rate": "fragment_rate"}  # fmt: skip
 
 
 def write_corpus(prefix: Path, docs: int) -> int:
@@ -121,9 +119,9 @@ def main() -> None:
         plan["megatron plain"] = (per_sample, mplain)
         for name, fim in SETTINGS.items():
             for rng in ("sample", "megatron"):
-                cfg = FIMConfig(**{NAMES[k]: v for k, v in fim.items()}, rng=rng)
+                cfg = FIMConfig(**fim, rng=rng)
                 plan[f"corpusforge fim {name} rng={rng}"] = (per_sample, FIMDataset(plain, cfg, fim_tok))
-            ds = FIMDataset(plain, FIMConfig(**{NAMES[k]: v for k, v in fim.items()}), fim_tok)
+            ds = FIMDataset(plain, FIMConfig(**fim), fim_tok)
             plan[f"corpusforge fim {name} batched"] = (batched, ds)
             plan[f"megatron fim {name}"] = (
                 per_sample,

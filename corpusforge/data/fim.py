@@ -9,13 +9,13 @@ labels, loss mask and position ids are then made from the rewritten text exactly
    by the eod; an eod after an empty piece (a leading eod, the second of two) is dropped, and the sample comes
    out one token shorter; the piece after the last eod is always rewritten, even when empty (it may become the
    three sentinels alone).
-2. A piece: without `split_sample`, permute(piece, rate). With it: a piece without the split token is
-   permute(piece, rate); otherwise one Bernoulli(rate) draw decides whether its fragments are touched at all, and
-   if so each non-empty fragment between split tokens (and the last one, even empty) is
-   permute(fragment, fragment_rate), the split tokens kept between them.
+2. A piece: without `fim_split_sample`, permute(piece, fim_rate). With it: a piece without the split token is
+   permute(piece, fim_rate); otherwise one Bernoulli(fim_rate) draw decides whether its fragments are touched at
+   all, and if so each non-empty fragment between split tokens (and the last one, even empty) is
+   permute(fragment, fim_fragment_rate), the split tokens kept between them.
 3. permute(tokens, p): a Bernoulli(p) draw; on 1 the tokens are decoded to text without special tokens; text
-   starting with `no_prefix` is left as it was; else two character positions drawn with randint(0, len + 1,
-   size=2) and sorted cut the text into prefix, middle, suffix, each encoded on its own; a Bernoulli(spm_rate)
+   starting with `fim_no_prefix` is left as it was; else two character positions drawn with randint(0, len + 1,
+   size=2) and sorted cut the text into prefix, middle, suffix, each encoded on its own; a Bernoulli(fim_spm_rate)
    draw picks SPM `<prefix> <suffix> suffix <middle> prefix middle` over PSM `<prefix> prefix <suffix> suffix
    <middle> middle`.
 4. The result is cut to the text's length, or padded with the FIM pad token.
@@ -35,7 +35,7 @@ as additional special tokens) and joins the rest with the file's decoder (`conve
 corpusforge's gigatoken engine gives the same ids it encodes instead (FIMTokenizer's docstring).
 
 Example:
-    >>> fim = FIMDataset(train, FIMConfig(rate=0.5, spm_rate=0.5), FIMTokenizer("tok/tokenizer.json"))
+    >>> fim = FIMDataset(train, FIMConfig(fim_rate=0.5, fim_spm_rate=0.5), FIMTokenizer("tok/tokenizer.json"))
     >>> fim.get_batch([0, 1])["tokens"].shape
     (2, 2048)
 """
@@ -58,38 +58,39 @@ RNG_MODES = ("sample", "megatron")
 
 @dataclass(frozen=True)
 class FIMConfig:
-    """Megatron-LM's FIM options (megatron/training/arguments.py, --fim-*), with their meanings and defaults."""
+    """Megatron-LM's FIM options, with its names (megatron/training/arguments.py: --fim-rate is args.fim_rate), its
+    meanings and its defaults; `seed` and `rng` are corpusforge's."""
 
-    rate: float = 0.5
-    """Probability that a sample (or, with split_sample, a sample holding the split token) is rewritten
+    fim_rate: float = 0.5
+    """Probability that a piece (or, with fim_split_sample, a piece holding the split token) is rewritten
     (--fim-rate)."""
 
-    spm_rate: float = 0.5
+    fim_spm_rate: float = 0.5
     """Probability that a rewritten piece is laid out SPM rather than PSM (--fim-spm-rate)."""
 
-    split_sample: str | None = None
+    fim_split_sample: str | None = None
     """A token (one vocabulary entry) at which a sample is cut into fragments rewritten one by one, e.g. a file
     separator when a document is a repository (--fim-split-sample)."""
 
-    fragment_rate: float | None = None
-    """Probability that each fragment is rewritten; needed with split_sample (--fim-fragment-rate)."""
+    fim_fragment_rate: float | None = None
+    """Probability that each fragment is rewritten; needed with fim_split_sample (--fim-fragment-rate)."""
 
-    no_prefix: str | None = None
+    fim_no_prefix: str | None = None
     """Text that keeps a piece whose decoded text starts with it as it is (--fim-no-prefix)."""
 
-    prefix_token: str = "<fim_prefix>"
+    fim_prefix_token: str = "<fim_prefix>"
     """(--fim-prefix-token)"""
 
-    middle_token: str = "<fim_middle>"
+    fim_middle_token: str = "<fim_middle>"
     """(--fim-middle-token)"""
 
-    suffix_token: str = "<fim_suffix>"
+    fim_suffix_token: str = "<fim_suffix>"
     """(--fim-suffix-token)"""
 
-    pad_token: str = "<fim_pad>"
+    fim_pad_token: str = "<fim_pad>"
     """Pads a sample the rewrite made shorter (--fim-pad-token)."""
 
-    eod_token: str = "<|endoftext|>"
+    fim_eod_token: str = "<|endoftext|>"
     """The end of a document: pieces between two are rewritten separately (--fim-eod-token)."""
 
     seed: int | None = None
@@ -100,23 +101,23 @@ class FIMConfig:
     "megatron": one RandomState(seed) drawn in the order samples are read, as GPTFIMDataset does."""
 
     def __post_init__(self) -> None:
-        for name in ("rate", "spm_rate", "fragment_rate"):
+        for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
-                raise ArgumentError(f"fim {name}={value}: a probability must be within [0, 1]")
-        if self.split_sample is not None and self.fragment_rate is None:
-            raise ArgumentError("fim split_sample needs fragment_rate (--fim-fragment-rate): the rate of each fragment")
+                raise ArgumentError(f"{name}={value}: a probability must be within [0, 1]")
+        if self.fim_split_sample is not None and self.fim_fragment_rate is None:
+            raise ArgumentError("fim_split_sample needs fim_fragment_rate (--fim-fragment-rate): each fragment's rate")
         if self.rng not in RNG_MODES:
             raise ArgumentError(f"fim rng={self.rng!r}: give one of {', '.join(RNG_MODES)}")
 
     def tokens(self) -> dict[str, str]:
         """The special tokens by role, as Megatron's fim_extra_tokens."""
         return {
-            "prefix": self.prefix_token,
-            "middle": self.middle_token,
-            "suffix": self.suffix_token,
-            "pad": self.pad_token,
-            "eod": self.eod_token,
+            "prefix": self.fim_prefix_token,
+            "middle": self.fim_middle_token,
+            "suffix": self.fim_suffix_token,
+            "pad": self.fim_pad_token,
+            "eod": self.fim_eod_token,
         }
 
 
@@ -238,7 +239,7 @@ class FIMTransform:
     """The rewrite of one sample's text (Megatron's _query_document_sample_shuffle_indices after the read).
 
     Example:
-        >>> t = FIMTransform(FIMConfig(rate=1.0), FIMTokenizer("tok/tokenizer.json"))
+        >>> t = FIMTransform(FIMConfig(fim_rate=1.0), FIMTokenizer("tok/tokenizer.json"))
         >>> t(np.array([5, 6, 7]), np.random.RandomState(1)).shape
         (3,)
     """
@@ -248,7 +249,7 @@ class FIMTransform:
         ids = {role: tokenizer.token_id(token) for role, token in config.tokens().items()}
         self.prefix_id, self.middle_id, self.suffix_id = ids["prefix"], ids["middle"], ids["suffix"]
         self.pad_id, self.eod_id = ids["pad"], ids["eod"]
-        self.split_id = None if config.split_sample is None else tokenizer.token_id(config.split_sample)
+        self.split_id = None if config.fim_split_sample is None else tokenizer.token_id(config.fim_split_sample)
 
     def __call__(self, sample: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
         """The rewritten sample, int64, as long as `sample`."""
@@ -272,18 +273,18 @@ class FIMTransform:
         """Megatron's _fim_split_and_permute_sequence."""
         cfg = self.config
         if self.split_id is None:
-            return self._permute(piece, cfg.rate, rng)
+            return self._permute(piece, cfg.fim_rate, rng)
         breaks = np.flatnonzero(piece == self.split_id)
         if not len(breaks):
-            return self._permute(piece, cfg.rate, rng)
-        if not rng.binomial(1, cfg.rate):
+            return self._permute(piece, cfg.fim_rate, rng)
+        if not rng.binomial(1, cfg.fim_rate):
             return piece
         parts, start = [], 0
         for loc in breaks.tolist():
             if loc - start > 0:
-                parts += [self._permute(piece[start:loc], cfg.fragment_rate, rng), [self.split_id]]
+                parts += [self._permute(piece[start:loc], cfg.fim_fragment_rate, rng), [self.split_id]]
             start = loc + 1
-        parts.append(self._permute(piece[start:], cfg.fragment_rate, rng))
+        parts.append(self._permute(piece[start:], cfg.fim_fragment_rate, rng))
         return np.concatenate(parts)
 
     def _permute(self, piece: np.ndarray, rate: float, rng: np.random.RandomState) -> np.ndarray:
@@ -292,13 +293,13 @@ class FIMTransform:
             return piece
         tok = self.tokenizer
         text = tok.decode(piece)
-        if self.config.no_prefix is not None and text.startswith(self.config.no_prefix):
+        if self.config.fim_no_prefix is not None and text.startswith(self.config.fim_no_prefix):
             return piece
         boundaries = sorted(rng.randint(low=0, high=len(text) + 1, size=2).tolist())
         prefix, middle, suffix = tok.encode_pieces(
             [text[: boundaries[0]], text[boundaries[0] : boundaries[1]], text[boundaries[1] :]]
         )
-        if rng.binomial(1, self.config.spm_rate):  # SPM, variant 2 of the FIM paper (arXiv:2207.14255)
+        if rng.binomial(1, self.config.fim_spm_rate):  # SPM, variant 2 of the FIM paper (arXiv:2207.14255)
             return np.concatenate([[self.prefix_id, self.suffix_id], suffix, [self.middle_id], prefix, middle])
         return np.concatenate([[self.prefix_id], prefix, [self.suffix_id], suffix, [self.middle_id], middle])
 
@@ -310,7 +311,7 @@ class FIMDataset:
     from the rewritten text; the loader's state carries the FIM options in the fingerprint.
 
     Example:
-        >>> fim = FIMDataset(train, FIMConfig(rate=0.9, split_sample="<file_sep>", fragment_rate=0.5),
+        >>> fim = FIMDataset(train, FIMConfig(fim_rate=0.9, fim_split_sample="<file_sep>", fim_fragment_rate=0.5),
         ...                  FIMTokenizer("tok/"))
         >>> loader = make_loader(fim, micro_batch_size=8, num_workers=2)
     """
@@ -392,14 +393,15 @@ class FIMDataset:
         return {k: v[0] for k, v in self.__getitems__([i]).items()}
 
     def __repr__(self) -> str:
-        return f"FIMDataset({self.dataset!r}, rate={self.fim.rate}, spm_rate={self.fim.spm_rate}, rng={self.fim.rng})"
+        fim = self.fim
+        return f"FIMDataset({self.dataset!r}, fim_rate={fim.fim_rate}, fim_spm_rate={fim.fim_spm_rate}, rng={fim.rng})"
 
 
 def with_fim(datasets: Any, config: FIMConfig | None, tokenizer: str | Path | FIMTokenizer) -> Any:
     """`datasets` (one, or a (train, valid, test) tuple with Nones) wrapped in FIMDataset; unchanged without config.
 
     Example:
-        >>> train, valid, test = with_fim(build_gpt_datasets(...), FIMConfig(rate=0.5), "tok/tokenizer.json")
+        >>> train, valid, test = with_fim(build_gpt_datasets(...), FIMConfig(fim_rate=0.5), "tok/tokenizer.json")
     """
     if config is None:
         return datasets

@@ -22,14 +22,7 @@ from corpusforge.indexed import IndexedDatasetWriter
 REFERENCE = Path(__file__).parent / "fim_reference"
 MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
-# Megatron's config names -> FIMConfig's
-OPTION_NAMES = {
-    "fim_rate": "rate",
-    "fim_spm_rate": "spm_rate",
-    "fim_split_sample": "split_sample",
-    "fim_fragment_rate": "fragment_rate",
-    "fim_no_prefix": "no_prefix",
-}
+FIM_OPTIONS = ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix")  # Megatron's names
 META = json.loads((REFERENCE / "reference.json").read_text())
 CASES = [(name, mode) for name in META["settings"] for mode in META["rng_modes"]]
 
@@ -57,7 +50,7 @@ def corpus(reference, tmp_path_factory) -> str:
 def setting(name: str) -> tuple[int, dict, dict]:
     """(seq_length, FIMConfig options, GPTDatasetConfig mask options) of a stored setting."""
     s = META["settings"][name]
-    fim = {OPTION_NAMES[k]: v for k, v in s.items() if k in OPTION_NAMES}
+    fim = {k: v for k, v in s.items() if k in FIM_OPTIONS}
     masks = {k: v for k, v in s.items() if k in ("reset_position_ids", "eod_mask_loss")}
     return s["seq_length"], fim, masks
 
@@ -171,7 +164,14 @@ def test_rng_megatron_depends_on_the_read_order_as_megatrons_does(reference, cor
 
 @pytest.mark.parametrize(
     "change",
-    [{"spm_rate": 0.0}, {"fragment_rate": 1.0}, {"rate": 0.5}, {"no_prefix": "#!"}, {"seed": 99}, {"rng": "megatron"}],
+    [
+        {"fim_spm_rate": 0.0},
+        {"fim_fragment_rate": 1.0},
+        {"fim_rate": 0.5},
+        {"fim_no_prefix": "#!"},
+        {"seed": 99},
+        {"rng": "megatron"},
+    ],
     ids=lambda c: next(iter(c)),
 )
 def test_each_option_changes_the_samples(reference, corpus, tokenizer, change):
@@ -183,9 +183,9 @@ def test_each_option_changes_the_samples(reference, corpus, tokenizer, change):
 
 def test_bad_options_and_tokenizers_are_one_line_errors(corpus, tokenizer, tmp_path):
     for bad, words in [
-        ({"rate": 1.5}, "within [0, 1]"),
-        ({"spm_rate": -0.1}, "within [0, 1]"),
-        ({"split_sample": "<file_sep>"}, "needs fragment_rate"),
+        ({"fim_rate": 1.5}, "within [0, 1]"),
+        ({"fim_spm_rate": -0.1}, "within [0, 1]"),
+        ({"fim_split_sample": "<file_sep>"}, "needs fim_fragment_rate"),
         ({"rng": "numpy"}, "sample, megatron"),
     ]:
         with pytest.raises(ArgumentError, match=None) as e:
@@ -193,7 +193,7 @@ def test_bad_options_and_tokenizers_are_one_line_errors(corpus, tokenizer, tmp_p
         assert words in str(e.value) and "\n" not in str(e.value)
     train = plain_dataset(corpus, tokenizer, "psm")
     with pytest.raises(ArgumentError, match="no token '<fim_hole>'") as e:
-        FIMDataset(train, FIMConfig(middle_token="<fim_hole>"), tokenizer)
+        FIMDataset(train, FIMConfig(fim_middle_token="<fim_hole>"), tokenizer)
     assert "tokenizer.json" in str(e.value)
     bounded = build_gpt_datasets(corpus, 64, META["split"], 1, (8, None, None), document_boundaries=True)[0]
     with pytest.raises(ArgumentError, match="turn document_boundaries off"):
@@ -210,13 +210,13 @@ def test_bad_options_and_tokenizers_are_one_line_errors(corpus, tokenizer, tmp_p
 def test_fingerprint_carries_the_options_and_with_fim_wraps_each_split(corpus, tokenizer):
     """A loader state saved with other FIM options is refused (the fingerprint differs); with_fim(None) is a no-op."""
     train = plain_dataset(corpus, tokenizer, "psm")
-    a = with_fim((train, None, None), FIMConfig(rate=0.5), REFERENCE / "tokenizer" / "tokenizer.json")
-    b = with_fim(train, FIMConfig(rate=0.6), tokenizer)
+    a = with_fim((train, None, None), FIMConfig(fim_rate=0.5), REFERENCE / "tokenizer" / "tokenizer.json")
+    b = with_fim(train, FIMConfig(fim_rate=0.6), tokenizer)
     assert a[1] is None and a[2] is None and isinstance(a[0], FIMDataset)
     assert a[0].fingerprint != b.fingerprint != train.fingerprint
     assert with_fim(train, None, tokenizer) is train
     state = make_loader(a[0], micro_batch_size=2).state_dict()
-    with pytest.raises(ValueError, match="rate"):
+    with pytest.raises(ValueError, match="fim_rate"):
         make_loader(b, micro_batch_size=2).load_state_dict(state)
 
 
@@ -227,7 +227,7 @@ def test_blends_take_rng_sample_and_refuse_rng_megatron(corpus, tokenizer):
     blend = build_gpt_datasets([corpus, 0.5, corpus, 0.5], 64, META["split"], 7, (40, None, None), eod_token_id=eod)[0]
     with pytest.raises(ArgumentError, match="over a blend"):
         FIMDataset(blend, FIMConfig(rng="megatron"), tokenizer)
-    ds = FIMDataset(blend, FIMConfig(rate=1.0), tokenizer)
+    ds = FIMDataset(blend, FIMConfig(fim_rate=1.0), tokenizer)
     ids = np.arange(40)
     batch = ds.get_batch(ids)
     np.testing.assert_array_equal(batch["dataset_id"], blend.get_batch(ids)["dataset_id"])
