@@ -145,10 +145,23 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         torch.cuda.set_device(rt.device)
     if rt.distributed and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, device_id=rt.device if use_cuda else None)
+        dist.init_process_group(backend, device_id=rt.device if use_cuda else None, **_restart_store(rt))
     if rt.distributed:
         rt.group = dist.new_group(backend="gloo")
     return rt
+
+
+def _restart_store(rt: Runtime) -> dict[str, Any]:
+    """The process group's store for a job that torchrun has restarted (--max-restarts): torchrun's agent keeps one
+    store for every attempt, where the groups of the attempt before left their members' addresses under the same
+    names, so a new group's first connection waits on ranks that are gone (seen: attempt 1 hung in new_group). Each
+    attempt gets its own key space; the first attempt, and jobs not started by torchrun, keep the default."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rt.world_size, is_master=False)
+    store = dist.PrefixStore(f"corpusforge/attempt{attempt}", client)
+    return {"store": store, "rank": rt.rank, "world_size": rt.world_size}
 
 
 def out_dir_error(out_dir: str | Path, e: OSError) -> CorpusforgeError:

@@ -60,12 +60,13 @@ def overrides(corpus: str, out: Path, **extra) -> list[str]:
     return trainkit.tiny_overrides(corpus, out, **values)
 
 
-def launch(corpus: str, out: Path, mnt: Path, logs: Path, **extra) -> subprocess.CompletedProcess:
-    """2 gloo ranks; rank 1 reads the corpus through the FUSE mount. Each rank's output in its own file."""
+def launch(corpus: str, out: Path, mnt: Path, logs: Path, restarts: int = 0, **extra) -> subprocess.CompletedProcess:
+    """2 gloo ranks; rank 1 reads the corpus through the FUSE mount. Each rank's output in its own file; torchrun
+    starts the ranks again up to `restarts` times when one fails."""
     wrapper = [str(HERE / "rank_view.py"), "1", f"bind:{mnt}", str(Path(corpus).parent)]
-    options = ["--log-dir", str(logs), "--redirects", "3"]
-    return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120, check=False, options=options,
-                             wrapper=wrapper)  # fmt: skip
+    options = ["--log-dir", str(logs), "--redirects", "3", f"--max-restarts={restarts}"]
+    return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120 * (1 + restarts), check=False,
+                             options=options, wrapper=wrapper)  # fmt: skip
 
 
 def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None) -> None:
@@ -237,22 +238,23 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
 
 
 @pytest.mark.slow
-def test_a_hung_job_run_again_resumes_from_its_last_checkpoint_with_the_same_losses(corpus, hangfs, tmp_path,
-                                                                                     undisturbed):  # fmt: skip
-    """What `srun --requeue` does: rank 1's reads block for good at step 5 (checkpoints every 2 steps), every rank
-    exits 5; the storage comes back and the same command runs again: it resumes from the last checkpoint, the previous
-    attempt's hang files do not end it, and it finishes with the undisturbed run's losses, step for step."""
+def test_a_hung_job_restarted_by_torchrun_resumes_from_its_last_checkpoint_with_the_same_losses(
+    corpus, hangfs, tmp_path, undisturbed
+):
+    """What `torchrun --max-restarts` (or `srun --requeue`, which runs the same command again) does: rank 1's reads
+    block for good at step 5 (checkpoints every 2 steps), every rank exits 5; the storage comes back and torchrun
+    starts the ranks again: they resume from the last checkpoint, the previous attempt's hang files do not end them,
+    and the job finishes with the undisturbed run's losses, step for step, in one launch."""
     mnt, control = hangfs
-    out = tmp_path / "run"
+    out, logs = tmp_path / "run", tmp_path / "logs"
 
     at_step(out, 5, lambda: block_until_reported(control, out))
-    hung = launch(corpus, out, mnt, tmp_path / "logs", checkpoint_interval=2)
-    codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", hung.stderr)
-    assert hung.returncode != 0 and {c for _, c in codes} == {str(HANG_EXIT_CODE)}, hung.stderr[-3000:]
-    again = launch(corpus, out, mnt, tmp_path / "logs-again", checkpoint_interval=2)
-    ranks = trainkit.rank_logs(tmp_path / "logs-again")
-    assert again.returncode == 0, (again.stderr[-3000:], ranks)
-    resumed = sorted((tmp_path / "logs-again").glob("*/attempt_0/0/stdout.log"))
-    assert "resumed from" in resumed[0].read_text(), resumed[0].read_text()[-2000:]
+    done = launch(corpus, out, mnt, logs, restarts=1, checkpoint_interval=2)
+    ranks = {p.parent.parent.name + "/" + p.parent.name: p.read_text() for p in logs.glob("*/attempt_*/*/stderr.log")}
+    assert done.returncode == 0, (done.stderr[-3000:], ranks)
+    first = sorted(logs.glob("*/attempt_0/0/stderr.log"))
+    assert first and "storage hung at step " in first[0].read_text(), ranks  # the first attempt ended on the hang
+    resumed = sorted(logs.glob("*/attempt_1/0/stdout.log"))
+    assert resumed and "resumed from" in resumed[0].read_text(), ranks
     assert not (out / "hang-reported.json").exists()
     np.testing.assert_array_equal(losses(out), undisturbed)
