@@ -6,9 +6,9 @@ micro-batch (Megatron's pretraining sampler: global batches of micro_batch_size 
 samples, rank r taking the r-th slice; corpusforge/data/loader.py). Batched in order, without Grain's own sharding
 or shuffling (the dataset's shuffle index already randomises the order), rank r's batches are its corpusforge
 batches, field for field: tokens, labels, position_ids int32, loss_mask float32, plus dataset_id for a blend and
-cu_seqlens/max_seqlen with document_boundaries. Two ways in: `grain_dataset` (a MapDataset of the sample records,
-batched by Grain's `.batch`) and `grain_loader` (Grain's DataLoader over micro-batch records, each read with one
-gather, in order with any number of worker processes).
+cu_seqlens/max_seqlen with document_boundaries. Two ways in: `grain_loader` (Grain's DataLoader over micro-batch
+records, each read with one gather, in order with any number of worker processes) and `grain_dataset` (a
+MapDataset of the same micro-batches, or of the sample records batched by Grain's `.batch`).
 
 Grain checkpoints its iterators itself (`DataLoader` iterators: `get_state()` bytes, `MapDataset` iterators: a
 dict); `__repr__` names the data's fingerprint and the rank layout, so Grain refuses a state saved over other data
@@ -75,7 +75,8 @@ class GrainSource:
         return [{name: value[i] for name, value in batch.items()} for i in range(len(ids))]
 
     def __getitem__(self, key: int) -> dict[str, np.ndarray]:
-        return self._getitems([key])[0]
+        batch = self.dataset.get_batch(np.array([self.sample_id(key)], np.int64))
+        return {name: value[0] for name, value in batch.items()}
 
     def __repr__(self) -> str:
         # Grain validates a restored DataLoader state by this string: it must change with the data and the layout
@@ -113,9 +114,15 @@ class MicroBatchSource:
         return f"corpusforge.MicroBatchSource({self.source!r})"
 
 
-def grain_loader(source: GrainSource, worker_count: int = 0, num_epochs: int = 1, **options: Any) -> Any:
+def grain_loader(
+    source: GrainSource, worker_count: int = 0, num_epochs: int = 1, read_options: Any = None, **options: Any
+) -> Any:
     """A `grain.python.DataLoader` giving `source`'s micro-batches in order (dicts of (B, ...) numpy arrays), with
-    any number of worker processes; `options` go to the DataLoader (read_options, worker_buffer_size, ...).
+    any number of worker processes; `options` go to the DataLoader (worker_buffer_size, ...).
+
+    `read_options` defaults to 2 reading threads and 8 micro-batches read ahead: Grain's own default (16 threads,
+    500 records ahead) polls its whole read-ahead buffer on every record, which cost ~4x corpusforge's loader per
+    sample here with micro-batch records (benchmarks/bench_adapters_grain.py).
 
     Example:
         >>> it = iter(grain_loader(GrainSource(train, micro_batch_size=8), worker_count=2))
@@ -125,16 +132,23 @@ def grain_loader(source: GrainSource, worker_count: int = 0, num_epochs: int = 1
     sampler = grain.IndexSampler(
         num_records=len(batches), shard_options=grain.NoSharding(), shuffle=False, num_epochs=num_epochs, seed=0
     )
-    return grain.DataLoader(data_source=batches, sampler=sampler, worker_count=worker_count, **options)
+    read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+    return grain.DataLoader(
+        data_source=batches, sampler=sampler, worker_count=worker_count, read_options=read_options, **options
+    )
 
 
-def grain_dataset(source: GrainSource) -> Any:
-    """`source` as a Grain `MapDataset` of micro-batches (`grain.MapDataset.source(source).batch(...)`), the sample
-    records batched by Grain; iterate it with `.to_iter_dataset()`, whose iterator's get_state()/set_state()
-    checkpoint it.
+def grain_dataset(source: GrainSource, per_sample: bool = False) -> Any:
+    """`source`'s micro-batches as a Grain `MapDataset` (iterate it with `.to_iter_dataset()`, whose iterator's
+    get_state()/set_state() checkpoint it): records that are micro-batches, each read with one gather; with
+    per_sample, Grain's `.batch` over the sample records (`grain.MapDataset.source(source).batch(...)`, for
+    pipelines that transform samples first), which reads one sample per call: Grain 0.2.18 does not pass a batch's
+    indices to the source at once (its batch pushdown is off), ~3x the time per sample here.
 
     Example:
         >>> it = iter(grain_dataset(GrainSource(train, micro_batch_size=8)).to_iter_dataset())
     """
     grain = _grain()
-    return grain.MapDataset.source(source).batch(source.micro_batch_size, drop_remainder=True)
+    if per_sample:
+        return grain.MapDataset.source(source).batch(source.micro_batch_size, drop_remainder=True)
+    return grain.MapDataset.source(MicroBatchSource(source))

@@ -27,7 +27,7 @@ from corpusforge.fsutil import atomic_write, write_bytes_atomic  # noqa: E402
 def iterator(source: GrainSource, kind: str, workers: int):
     if kind == "loader":
         return iter(grain_loader(source, worker_count=workers))
-    return iter(grain_dataset(source).to_iter_dataset())
+    return iter(grain_dataset(source, per_sample=True).to_iter_dataset())
 
 
 def encode(state) -> bytes:
@@ -59,9 +59,9 @@ def main() -> None:
         for _ in range(a.save_at):
             next(it)
         write_bytes_atomic(a.state_out, encode(it.get_state()))
-        while True:  # the test kills this process (and its Grain workers) now
-            next(it)
+        for _ in it:  # the test kills this process (and its Grain workers) while it reads on
             time.sleep(0.05)
+        time.sleep(600)
     it.set_state(decode(Path(a.state_in).read_bytes(), a.kind))
     batches = [next(it) for _ in range(a.steps)]
     with atomic_write(a.out) as f:

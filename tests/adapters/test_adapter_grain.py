@@ -43,8 +43,9 @@ def assert_same(ours: list[dict], theirs: list[dict]) -> None:
 
 @pytest.mark.parametrize("kind", ["blend", "single", "boundaries"])
 def test_grain_batches_are_corpusforge_loaders(data, kind):
-    """Each rank of 2, through Grain's DataLoader and its MapDataset, gets exactly its corpusforge micro-batches
-    (every field, dtype included): a weighted blend, one dataset, and samples with their document boundaries."""
+    """Each rank of 2, through Grain's DataLoader, its MapDataset of micro-batches and its `.batch` over sample
+    records, gets exactly its corpusforge micro-batches (every field, dtype included): a weighted blend, one
+    dataset, and samples with their document boundaries."""
     if kind == "single":
         dataset, _, _ = build_gpt_datasets(blend(data)[0], seq_length=32, split="90,8,2", num_samples=(150, 0, 0),
                                            cache_dir=Path(data) / "cache")  # fmt: skip
@@ -55,6 +56,7 @@ def test_grain_batches_are_corpusforge_loaders(data, kind):
         source = GrainSource(dataset, micro_batch_size=3, dp_rank=rank, dp_world_size=2)
         assert_same(list(grain_loader(source)), theirs)
         assert_same(list(grain_dataset(source)), theirs)
+        assert_same(list(grain_dataset(source, per_sample=True)), theirs)
 
 
 def test_state_restored_in_process_continues_and_other_layouts_are_refused(data):
@@ -101,7 +103,8 @@ def kill_after_state(job: subprocess.Popen, state: Path, timeout: float = 120) -
 
 @pytest.mark.slow
 def test_killed_process_resumed_from_grain_state_gives_the_next_batches(data, tmp_path):
-    """Rank 1 of 2 through Grain's DataLoader with 2 worker processes, and through a MapDataset iterator: SIGKILLed
+    """Rank 1 of 2 through Grain's DataLoader with 2 worker processes, and through the iterator of a MapDataset
+    batching sample records: SIGKILLed
     after saving the iterator state at batch 3, a new process restores it and takes batches 3..6 of corpusforge's
     own loader for that rank (the killed one had read ahead: its workers prefetch, it kept iterating)."""
     theirs = corpusforge_batches(build_train(data), 2, 1, 2)
