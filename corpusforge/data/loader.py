@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from corpusforge import worker_stacks
 from corpusforge.data.batch import assemble
 from corpusforge.data.cache import describe_differences, description_hash
 from corpusforge.data.gpt_dataset import prefetch_upcoming
@@ -190,6 +191,7 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         die_with_parent(self.parent)
+        worker_stacks.serve_in_worker()  # a hang's report holds this worker's stacks too (train/watchdog.py)
         if self.then is not None:
             self.then(worker_id)
 

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from corpusforge import worker_stacks
 from corpusforge.fsutil import write_bytes_atomic
 from corpusforge.storage import readwatch
 
@@ -78,6 +79,7 @@ class Watchdog:
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.exit: Callable[[int], None] = os._exit
+        self.worker_stacks: Path | None = None  # where this rank's loader workers answer with their stacks
 
     # -- the training loop's side ---------------------------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class Watchdog:
             return self
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         readwatch.share(os.path.join(shm, f"corpusforge-reads-{os.getpid()}"))
+        self.worker_stacks = worker_stacks.prepare(os.path.join(shm, f"corpusforge-stacks-{os.getpid()}"))
         if self.rank == 0:  # a previous attempt's files would name a rank that is not stuck now
             for p in [*self.out.glob("hang-rank*.json"), self.out / "hang-reported.json"]:
                 with contextlib.suppress(FileNotFoundError):
@@ -101,6 +104,8 @@ class Watchdog:
             self.thread.join()
             self.thread = None
             readwatch.unshare()
+            if self.worker_stacks:
+                worker_stacks.forget(self.worker_stacks)
 
     def beat(self, step: int | None = None) -> None:
         """Progress: a step finished (`step`: its number), or a batch arrived. The first step's beat arms the
@@ -222,6 +227,9 @@ class Watchdog:
             f.write(f"reads so far: {json.dumps(readwatch.percentiles_ms())}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            workers = worker_stacks.collect(self.worker_stacks) if self.worker_stacks else {}
+            for pid, stacks in sorted(workers.items()):
+                f.write(f"\nloader worker pid {pid}:\n{stacks}")
         return path
 
     def _gather_stuck(self, mine: dict[str, Any] | None) -> list[dict[str, Any]]:
