@@ -89,11 +89,11 @@ class MegatronSamples:
             fields["attention_mask"] = torch.from_numpy(batch["attention_mask"])
         fields["loss_mask"] = torch.from_numpy(batch["loss_mask"])
         fields["position_ids"] = torch.from_numpy(batch["position_ids"]).long()
-        samples = [{key: value[row] for key, value in fields.items()} for row in range(len(ids))]
         if self.blended:  # first, as BlendedDataset puts it: {"dataset_id": ..., **sample}
-            ids_of = batch["dataset_id"].astype(DATASET_ID_DTYPE)
-            samples = [{"dataset_id": ids_of[row], **sample} for row, sample in enumerate(samples)]
-        return samples
+            fields = {"dataset_id": list(batch["dataset_id"].astype(DATASET_ID_DTYPE)), **fields}
+        # one unbind per field, not one indexing per sample and field: the rows' views cost more than the gather
+        keys, rows = list(fields), zip(*(v.unbind(0) if hasattr(v, "unbind") else v for v in fields.values()))
+        return [dict(zip(keys, row)) for row in rows]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):

@@ -1,0 +1,216 @@
+"""What each trainer adapter costs per sample against corpusforge's own loader, in one run.
+
+    python benchmarks/bench_adapters.py [--tokens 2e7] [--docs 9600] [--samples 4000] [--rounds 5]
+                                        [--only NAME ...] [--out benchmarks/results/adapters-<date>.json]
+
+bench_loader's generated dataset (uint16, ~2,000-token documents), its train split, warm page cache, one process
+(no workers), micro-batches of 8 samples of 2,048 tokens, the first --samples samples of rank 0 of 1, each batch
+as the trainer receives it from its DataLoader; rounds alternate the order of the cases, medians reported:
+
+  corpusforge          make_loader(train, 8): the anchor, int32 torch tensors
+  corpusforge int64    the anchor's batches widened to int64 (tokens, labels, position_ids): the types Megatron-LM
+                       and transformers take, without a per-sample collate (a floor for the two adapters below)
+  megatron-lm          MegatronSamples through what Megatron-LM's build_pretraining_data_loader makes: a DataLoader
+                       with Megatron's sampler and the default collate; int64 as megatron-core types them
+  megatron-core        megatron-core's own GPTDataset in that same DataLoader (what the provider replaces)
+  hf-trainer           TrainerSamples in a DataLoader of 8 with transformers' default_data_collator, in order
+  lightning            CorpusforgeDataModule.train_dataloader() and its on_before_batch_transfer count
+
+Cases are a list of Case(name, make, tokens); another adapter adds its own to CASES. Every case's first batches
+are checked equal to the anchor's. The target (issue 31): within 10% per sample of corpusforge's loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_loader as bench  # noqa: E402
+
+from corpusforge.data import PretrainingBatchSampler, build_gpt_datasets, make_loader  # noqa: E402
+
+BATCH = 8
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every case builds on: corpusforge's train split and how it was made."""
+
+    train: Any
+    prefix: str
+    seq_length: int
+    samples: int
+    cache: Path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of reading micro-batches: `make(setup)` returns a fresh iterable of batches (made outside the
+    timing); `tokens(batch)` their tokens as numpy, to check them against the anchor's."""
+
+    name: str
+    make: Callable[[Setup], Iterable[Any]]
+    tokens: Callable[[Any], np.ndarray] = lambda batch: batch["tokens"].numpy()
+
+
+def megatron_loader(dataset: Any) -> Iterable[Any]:
+    """build_pretraining_data_loader's DataLoader (no workers): Megatron's sampler, the default collate."""
+    import torch
+
+    sampler = PretrainingBatchSampler(len(dataset), 0, BATCH, 0, 1)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+
+
+def megatron_lm(s: Setup) -> Iterable[Any]:
+    from corpusforge.adapters.megatron_lm import MegatronSamples
+
+    return megatron_loader(MegatronSamples(s.train, "train"))
+
+
+def megatron_core(s: Setup) -> Iterable[Any]:
+    import torch.distributed
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    class Tokenizer:
+        eod, vocab_size, unique_identifiers = bench.EOD, bench.VOCAB, {"class": "bench"}
+
+    torch.distributed.get_rank = lambda *a, **k: 0  # megatron-core asks even without a process group
+    config = GPTDatasetConfig(random_seed=bench.SEED, sequence_length=s.seq_length, blend=([s.prefix], None),
+                              split=bench.SPLIT, path_to_cache=str(s.cache / "megatron"), tokenizer=Tokenizer(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False)  # fmt: skip
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [s.samples, 0, 0], lambda: True, config).build()[0]
+    return megatron_loader(train)
+
+
+def hf_trainer(s: Setup) -> Iterable[Any]:
+    import torch
+    from transformers import default_data_collator
+
+    from corpusforge.adapters.hf_trainer import TrainerSamples
+
+    return torch.utils.data.DataLoader(TrainerSamples(s.train), batch_size=BATCH, shuffle=False, drop_last=True,
+                                       collate_fn=default_data_collator)  # fmt: skip
+
+
+class _Counting:
+    """The batches of a data module's train loader, each passed through its on_before_batch_transfer as Lightning
+    does for the batch it trains on (here without a Trainer attached: the count is the hook's whole work)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __iter__(self):
+        for batch in self.data.train_dataloader():
+            yield self.data.on_before_batch_transfer(batch, 0)
+
+
+def lightning(s: Setup) -> Iterable[Any]:
+    from corpusforge.adapters.lightning import CorpusforgeDataModule
+
+    data = CorpusforgeDataModule(s.prefix, s.seq_length, BATCH)
+    data.datasets = (s.train, None, None)
+    return _Counting(data)
+
+
+def widened(s: Setup) -> Iterable[Any]:
+    for batch in make_loader(s.train, BATCH):
+        yield {k: v.long() if k in ("tokens", "labels", "position_ids") else v for k, v in batch.items()}
+
+
+CASES: list[Case] = [
+    Case("corpusforge", lambda s: make_loader(s.train, BATCH)),
+    Case("corpusforge int64", widened),
+    Case("megatron-lm", megatron_lm),
+    Case("megatron-core", megatron_core),
+    Case("hf-trainer", hf_trainer, lambda batch: batch["input_ids"].numpy()),
+    Case("lightning", lightning),
+]
+
+
+def timed(case: Case, setup: Setup, batches: int) -> float:
+    """Microseconds per sample over `batches` micro-batches of a fresh iterable."""
+    iterable = case.make(setup)
+    t0 = time.perf_counter()
+    it = iter(iterable)
+    for _ in range(batches):
+        next(it)
+    return (time.perf_counter() - t0) / (batches * BATCH) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=float, default=2e7)
+    ap.add_argument("--docs", type=float, default=9600)
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", nargs="*", help="case names to run (the anchor always runs)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    out = args.out or HERE / "results" / f"adapters-{date}.json"
+    tokens, docs, seq = int(args.tokens), int(args.docs), args.seq_length
+    prefix = HERE / "work" / "loader" / f"gen_{tokens:.0e}tok_{docs}doc_text_document".replace("+", "")
+    cache = HERE / "work" / "adapters-cache"
+    bench.make_dataset(prefix, tokens, docs)
+    bench.warm(f"{prefix}.bin")
+    train, _, _ = build_gpt_datasets(str(prefix), seq, bench.SPLIT, bench.SEED, (args.samples, 0, 0), cache,
+                                     eod_token_id=bench.EOD)  # fmt: skip
+    train.load_kernels()
+    setup = Setup(train, str(prefix), seq, args.samples, cache)
+    cases = [c for c in CASES if c.name == "corpusforge" or not args.only or c.name in args.only]
+    batches = args.samples // BATCH
+    anchor = [b["tokens"].numpy() for _, b in zip(range(3), make_loader(train, BATCH))]
+    for case in cases:  # also the first calls, which are not throughput
+        got = [case.tokens(b) for _, b in zip(range(3), case.make(setup))]
+        assert all(np.array_equal(a, b) for a, b in zip(got, anchor)), f"{case.name}: not the anchor's batches"
+    runs: dict[str, list[float]] = {c.name: [] for c in cases}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for case in cases if r % 2 == 0 else cases[::-1]:
+            runs[case.name].append(round(timed(case, setup, batches), 2))
+        load.append(os.getloadavg()[0])
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    cost = {k: round(v / med["corpusforge"] - 1, 4) for k, v in med.items() if k != "corpusforge"}
+    machine = bench.machine_info()
+    machine["adapter_packages"] = {
+        n: importlib.metadata.version(n) for n in ("transformers", "lightning", "megatron-core")
+    }
+    report = {
+        "benchmark": "adapters",
+        "machine": machine,
+        "load_average_per_round": [round(x, 2) for x in load],
+        "config": {"tokens": tokens, "documents": docs, "seq_length": seq, "samples": args.samples,
+                   "rounds": args.rounds, "micro_batch": BATCH, "workers": 0, "read_mode": train.indexed.read_mode},
+        "median_us_per_sample": med,
+        "extra_time_vs_corpusforge": cost,
+        "runs": runs,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nmedian of {args.rounds} rounds, us per sample ({args.samples} samples, batches of {BATCH}, warm cache):")
+    for k, v in med.items():
+        print(f"  {k:16s} {v:8.2f}" + (f"  {cost[k]:+.1%} vs corpusforge" if k in cost else ""))
+    print(f"load average per round: {[round(x, 2) for x in load]}\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
