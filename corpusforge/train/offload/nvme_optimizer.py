@@ -153,7 +153,7 @@ class NvmeAdamW(torch.optim.Optimizer):
             local = _local(p)
             views = {}
             for kind in ("exp_avg", "exp_avg_sq"):
-                v = self.files[kind].values[self.offsets[i] : self.offsets[i] + local.numel()].view(local.shape)
+                v = self.files[kind].mapped(self.offsets[i], local.numel()).view(local.shape)
                 if hasattr(p, "_local_tensor"):
                     from torch.distributed.tensor import DTensor
 

@@ -77,8 +77,7 @@ class StateFile:
         self.path, self.fd, self.io_fd, self.direct_note = path, fd, io_fd, direct_note
         self.layout_hash, self.nbytes = layout_hash, nbytes
         self.direct = io_fd != fd
-        self._map = mmap.mmap(fd, HEADER + nbytes)
-        self.values = torch.frombuffer(self._map, dtype=torch.float32, offset=HEADER, count=nbytes // 4)
+        self._maps: list[mmap.mmap] = []
 
     @classmethod
     def create(cls, path: Path, layout_hash: bytes, nbytes: int, direct: bool = True) -> tuple[StateFile, str]:
@@ -148,9 +147,22 @@ class StateFile:
                     raise space_error(self.path.parent, self.nbytes, e) from None
                 raise
 
+    def mapped(self, offset: int, numel: int) -> torch.Tensor:
+        """The `numel` values at value `offset` (4 KiB aligned) as a tensor over a memory map of exactly them: what
+        torch.distributed.checkpoint writes from (one tensor at a time, through the page cache; a view of a larger map
+        it would first copy whole) and loads into."""
+        if numel == 0:
+            return torch.empty(0)
+        m = mmap.mmap(self.fd, numel * 4, offset=HEADER + offset * 4)
+        self._maps.append(m)
+        return torch.frombuffer(m, dtype=torch.float32)
+
     def close(self) -> None:
-        del self.values
-        self._map.close()
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor over it is still referenced: the map goes with it
+                pass
         if self.io_fd != self.fd:
             os.close(self.io_fd)
         os.close(self.fd)
@@ -194,7 +206,7 @@ class AlignedBuffer:
     the GPU's copies with cudaHostRegister when a GPU is there (one registration, no power-of-two rounding)."""
 
     def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes)
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # anonymous memory, not shmem
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.float32)
         self.pinned = False
