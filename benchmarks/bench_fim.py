@@ -12,7 +12,8 @@ Data: the code-like generated "repositories" of benchmarks/megatron_fim_referenc
 
 Per sample `ds[i]` for the same seeded random ids on every side (Megatron reads a sample at a time); for
 corpusforge also `get_batch` of 8 ids (what its loaders call). Rounds alternate the order of the sides; medians of
-the rounds, with the load average before each round. Writes benchmarks/results/fim-<date>.json.
+the rounds, wall and CPU time of the process (single-threaded work: CPU time leaves out waiting for a core), with the
+load average before each round. Writes benchmarks/results/fim-<date>.json.
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ def batched(ds, ids: list[int]) -> None:
         ds.get_batch(ids[k : k + BATCH])
 
 
-def timed(fn, ds, ids: list[int]) -> float:
-    t0 = time.perf_counter()
+def timed(fn, ds, ids: list[int]) -> tuple[float, float]:
+    """(wall, CPU) microseconds per sample; the CPU time of this process does not count waiting for a core, which
+    on a shared machine moves the wall time by 2x from round to round."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(ds, ids)
-    return (time.perf_counter() - t0) / len(ids) * 1e6
+    return (time.perf_counter() - t0) / len(ids) * 1e6, (time.process_time() - c0) / len(ids) * 1e6
 
 
 def main() -> None:
@@ -131,23 +134,32 @@ def main() -> None:
         for fn, ds in plan.values():  # first calls are not throughput (numba, torch)
             fn(ds, ids[:16])
         runs: dict[str, list[float]] = {k: [] for k in plan}
+        cpu_runs: dict[str, list[float]] = {k: [] for k in plan}
         load = []
         for r in range(args.rounds):
             load.append(round(os.getloadavg()[0], 2))
             for name in list(plan) if r % 2 == 0 else list(plan)[::-1]:
                 fn, ds = plan[name]
-                runs[name].append(round(timed(fn, ds, ids), 1))
+                wall, cpu = timed(fn, ds, ids)
+                runs[name].append(round(wall, 1))
+                cpu_runs[name].append(round(cpu, 1))
             print(f"round {r + 1} (load {load[-1]}): " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_runs.items()}
     ratios = {}
-    for name in SETTINGS:
-        cf = med[f"corpusforge fim {name} rng=sample"]
-        ratios[f"{name}: corpusforge fim / corpusforge plain (per sample)"] = round(cf / med["corpusforge plain"], 2)
-        ratios[f"{name}: corpusforge fim / plain (batched)"] = round(
-            med[f"corpusforge fim {name} batched"] / med["corpusforge plain batched"], 2
-        )
-        ratios[f"{name}: megatron fim / megatron plain"] = round(med[f"megatron fim {name}"] / med["megatron plain"], 2)
-        ratios[f"{name}: megatron fim / corpusforge fim (speed-up)"] = round(med[f"megatron fim {name}"] / cf, 2)
+    for kind, m in (("wall", med), ("cpu", cpu_med)):
+        for name in SETTINGS:
+            cf = m[f"corpusforge fim {name} rng=sample"]
+            ratios[f"{kind} {name}: corpusforge fim / plain (per sample)"] = round(cf / m["corpusforge plain"], 2)
+            ratios[f"{kind} {name}: corpusforge fim / plain (batched)"] = round(
+                m[f"corpusforge fim {name} batched"] / m["corpusforge plain batched"], 2
+            )
+            ratios[f"{kind} {name}: megatron fim / megatron plain"] = round(
+                m[f"megatron fim {name}"] / m["megatron plain"], 2
+            )
+            ratios[f"{kind} {name}: megatron fim / corpusforge fim (speed-up)"] = round(
+                m[f"megatron fim {name}"] / cf, 2
+            )
     report = {
         "benchmark": "fim",
         "machine": machine_info(),
@@ -156,14 +168,16 @@ def main() -> None:
         "config": {"documents": args.docs, "tokens": tokens, "seq_length": seq, "samples": samples, "ids": args.ids,
                    "rounds": args.rounds, "batch": BATCH, "settings": SETTINGS, "read_mode": plain.indexed.read_mode},
         "median_us_per_sample": med,
+        "median_cpu_us_per_sample": cpu_med,
         "ratios": ratios,
         "runs": runs,
+        "cpu_runs": cpu_runs,
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nmedian of {args.rounds} rounds, us per sample ({args.ids} random ids, seq_length {seq}):")
     for k, v in med.items():
-        print(f"  {k:40s} {v:10.1f}")
+        print(f"  {k:40s} {v:10.1f} wall {cpu_med[k]:10.1f} CPU")
     for k, v in ratios.items():
         print(f"  {k}: {v}x")
     print(f"wrote {out}")
