@@ -1,8 +1,10 @@
 """What a data curriculum (data.curriculum: corpusforge/data/curriculum.py) costs the loader and the training step,
 against the same run without one, in the same process and rounds.
 
-    python benchmarks/bench_curriculum.py [--tokens 4e6] [--seq-length 2048] [--units 4000] [--rounds 5]
-                                          [--steps 24] [--out benchmarks/results/curriculum-<date>.json]
+    python benchmarks/bench_curriculum.py [--tokens 4e6] [--seq-length 2048] [--units 1600] [--rounds 5]
+                                          [--steps 12] [--step-rounds 2] [--out FILE.json]
+
+(default --out benchmarks/results/curriculum-<date>.json)
 
 Data: two of bench_loader's generated datasets (uint16, ~2,000-token documents), a 0.7/0.3 blend, warm page cache.
 
@@ -42,14 +44,15 @@ from corpusforge.data.curriculum import Curriculum, build_curriculum_dataset  # 
 MICRO = 8  # units per micro-batch
 
 
-def read_units(ds, units: int, per_unit: int = 1) -> float:
-    """us per unit of reading `units` units through a Loader (no workers), micro-batches of MICRO units; a dataset
-    without a curriculum reads `per_unit` of its samples as one unit."""
+def read_units(ds, units: int, per_unit: int = 1) -> tuple[float, float]:
+    """(wall, CPU) us per unit of reading `units` units through a Loader (no workers), micro-batches of MICRO units;
+    a dataset without a curriculum reads `per_unit` of its samples as one unit. The CPU time of this process is what
+    the reading cost it; on a shared machine the wall time also holds the waits for a core."""
     loader = make_loader(ds, MICRO * per_unit, 0, 1, 0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in zip(range(units // MICRO), loader):
         pass
-    return (time.perf_counter() - t0) / units * 1e6
+    return (time.perf_counter() - t0) / units * 1e6, (time.process_time() - c0) / units * 1e6
 
 
 def loader_sets(prefixes: list[str], seq: int, units: int, cache: Path) -> dict[str, tuple]:
@@ -75,8 +78,8 @@ def step_runs(prefixes: list[str], steps: int, work: Path) -> dict[str, list[flo
     from corpusforge.train.metrics import read_metrics
 
     seq = 256  # 2 x 256 tokens a step: the 50K-wide head of bench_loader's vocabulary is most of a CPU step
-    base = [f'data.path=["{prefixes[0]}", 0.7, "{prefixes[1]}", 0.3]', 'model.name="custom"', "model.n_layer=2",
-            "model.n_head=4", "model.n_embd=128", "model.vocab_size=50304", f"model.seq_length={seq}",
+    base = [f'data.path=["{prefixes[0]}", 0.7, "{prefixes[1]}", 0.3]', 'model.name="custom"', "model.n_layer=1",
+            "model.n_head=2", "model.n_embd=64", "model.vocab_size=50304", f"model.seq_length={seq}",
             "schedule.micro_batch_size=2", f"schedule.global_batch_tokens={2 * seq}", f"schedule.max_steps={steps}",
             "schedule.warmup_steps=2", "metrics.eval_interval=0", "metrics.log_interval=1", "checkpoint.interval=0",
             "checkpoint.resume=\"never\"", "data.num_workers=0", 'device="cpu"', "compile=false",
@@ -105,7 +108,8 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--units", type=int, default=1600, help="loader units read per measurement")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=24, help="training steps per step run (0: no step runs)")
+    ap.add_argument("--steps", type=int, default=12, help="training steps per step run (0: no step runs)")
+    ap.add_argument("--step-rounds", type=int, default=2, help="rounds of the three step runs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
@@ -123,22 +127,29 @@ def main() -> None:
         ds.load_kernels()
         read_units(ds, 4 * MICRO, per_unit)  # first calls are not throughput
     runs: dict[str, list[float]] = {k: [] for k in sets}
+    cpu: dict[str, list[float]] = {k: [] for k in sets}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name in list(sets) if r % 2 == 0 else list(sets)[::-1]:
-            runs[name].append(round(read_units(*sets[name][:1], args.units, sets[name][1]), 2))
+            wall, used = read_units(sets[name][0], args.units, sets[name][1])
+            runs[name].append(round(wall, 2))
+            cpu[name].append(round(used, 2))
         load.append(os.getloadavg()[0])
-        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
+        print(f"round {r + 1} (wall/cpu us): " + "  ".join(f"{k} {runs[k][-1]}/{cpu[k][-1]}" for k in runs), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    # each curriculum against the blend that reads the same samples without one
-    loader_cost = {
-        "curriculum same length": round(med["curriculum same length"] / med["blend"] - 1, 4),
-        "curriculum quarter length": round(med["curriculum quarter length"] / med["blend quarter length"] - 1, 4),
-        "blend quarter length": round(med["blend quarter length"] / med["blend"] - 1, 4),  # shorter samples alone
-    }
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+
+    def costs(m: dict[str, float]) -> dict[str, float]:  # each curriculum against the blend of the same samples
+        return {
+            "curriculum same length": round(m["curriculum same length"] / m["blend"] - 1, 4),
+            "curriculum quarter length": round(m["curriculum quarter length"] / m["blend quarter length"] - 1, 4),
+            "blend quarter length": round(m["blend quarter length"] / m["blend"] - 1, 4),  # shorter samples alone
+        }
+
+    loader_cost, loader_cost_cpu = costs(med), costs(med_cpu)
     steps: dict[str, list[float]] = {}
     if args.steps:
-        for r in range(max(1, args.rounds // 2)):
+        for r in range(args.step_rounds):
             for name, value in step_runs(prefixes, args.steps, work).items():
                 steps.setdefault(name, []).extend(value)
             load.append(os.getloadavg()[0])
@@ -149,18 +160,24 @@ def main() -> None:
         "machine": bench.machine_info(),
         "load_average_per_round": [round(x, 2) for x in load],
         "config": {"tokens_per_dataset": tokens, "seq_length": args.seq_length, "units": args.units,
-                   "micro_batch_units": MICRO, "rounds": args.rounds, "weights": [0.7, 0.3], "steps": args.steps},
+                   "micro_batch_units": MICRO, "rounds": args.rounds, "weights": [0.7, 0.3], "steps": args.steps,
+                   "step_rounds": args.step_rounds, "step_model": "GPT-2 1 layer, 2 heads, width 64, vocab 50304, "
+                   "2 x 256 tokens a step, fp32, CPU"},
         "loader_median_us_per_unit": med,
-        "loader_extra_time_per_token_vs_blend": loader_cost,
+        "loader_median_cpu_us_per_unit": med_cpu,
+        "loader_extra_time_per_token": loader_cost,
+        "loader_extra_cpu_time_per_token": loader_cost_cpu,
         "step_median_tokens_per_s": step_med,
         "loader_runs": runs,
+        "loader_cpu_runs": cpu,
         "step_runs": steps,
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nloader, median of {args.rounds} rounds, us per unit of {args.seq_length} tokens:")
+    print(f"\nloader, median of {args.rounds} rounds, us per unit of {args.seq_length} tokens (wall, CPU):")
     for k, v in med.items():
-        print(f"  {k:26s} {v:8.2f}" + (f"   {loader_cost[k]:+.1%}" if k in loader_cost else ""))
+        extra = f"   {loader_cost[k]:+.1%}, CPU {loader_cost_cpu[k]:+.1%}" if k in loader_cost else ""
+        print(f"  {k:26s} {v:8.2f} {med_cpu[k]:8.2f}{extra}")
     print("  (curriculum: against the blend of the same samples without one; blend quarter length: against blend)")
     if step_med:
         print("step (tiny GPT on CPU), median tokens/s:")
