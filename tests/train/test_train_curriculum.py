@@ -19,7 +19,7 @@ import pytest
 import trainkit
 from curriculum_record import load, record_samples, save
 
-from corpusforge.train import load_config, train
+from corpusforge.train import CheckpointError, load_config, train
 from corpusforge.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # the module's runs: 42 s on 2 shared cores at load 6-8 (2026-11-28)
@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
     spec.write_text(__import__("json").dumps(launch))
     script = Path(__file__).resolve().parent / "curriculum_record.py"
     trainkit._launch([str(script), str(spec)], 2, 240, True, "torchrun 2 (curriculum resumes)")
-    return work, report
+    return work, report, corpora, cache
 
 
 def series(out_dir: Path, key: str = "loss") -> dict[int, float]:
@@ -75,7 +75,7 @@ def same_units(a: dict, b: dict, units: range) -> None:
 
 
 def test_one_rank_resumed_around_the_change_points_reads_and_learns_as_the_whole_run(runs):
-    work, _ = runs
+    work = runs[0]
     whole, chain = load(work / "whole"), load(work / "chain")
     assert sorted(whole) == list(range(0, STEPS * 16, 8))  # 8 units a micro-batch, 2 a step
     assert [whole[u][0].shape for u in range(0, STEPS * 16, 16)] == [(16, 16)] * 6 + [(8, 32)] * 2
@@ -85,7 +85,7 @@ def test_one_rank_resumed_around_the_change_points_reads_and_learns_as_the_whole
 
 
 def test_two_ranks_resumed_at_the_length_change_read_the_whole_runs_samples(runs):
-    work, _ = runs
+    work = runs[0]
     whole = load(work / "whole")
     for stop in (6,):
         resumed = load(work / f"at-{stop}")
@@ -97,7 +97,7 @@ def test_two_ranks_resumed_at_the_length_change_read_the_whole_runs_samples(runs
 
 
 def test_the_dry_run_says_what_each_source_and_length_gives(runs):
-    work, report = runs
+    work, report = runs[:2]
     whole = load(work / "whole")
     per_source, per_length = [0, 0], {}
     for tokens, source in whole.values():
@@ -111,3 +111,11 @@ def test_the_dry_run_says_what_each_source_and_length_gives(runs):
     assert [p["steps"] for p in got["phases"]] == [[1, 3], [4, 6], [7, 8]]
     assert got["phases"][2]["tokens_per_source"] == [512, 512]  # data.path's weights
     assert np.isclose(got["phases"][0]["tokens_per_source"][0], 0.75 * 3 * 512, atol=16)
+
+
+def test_a_checkpoint_of_another_curriculum_is_refused_in_one_line(runs):
+    work, _, corpora, cache = runs
+    other = PHASES.replace("until_step=3", "until_step=2")
+    with pytest.raises(CheckpointError) as e:
+        train(load_config(None, [*overrides(corpora, work / "chain", cache), f"data.curriculum={other}"]))
+    assert "cannot resume" in str(e.value) and "data.curriculum=" in str(e.value) and "\n" not in str(e.value)
