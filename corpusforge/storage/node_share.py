@@ -14,7 +14,7 @@ the StorageConfig):
 
     b"CFSHARE1"   8 bytes, magic
     u64           length H of the JSON header (little-endian)
-    H bytes       {"entries": [[source, path, offset, idx_bytes, bin_bytes, read_mode, reason], ...]}
+    H bytes       {"entries": [[source, path, offset, idx_bytes, bin_bytes, read_mode, reason, align], ...]}
     ...           each .idx's bytes at its offset (8-byte aligned: the index arrays are read in place)
 
 Example:
@@ -40,7 +40,7 @@ from typing import Any
 from corpusforge.fsutil import atomic_write
 from corpusforge.indexed import BinReader, IndexedDataset, OpenedIndex
 from corpusforge.storage.config import StorageConfig
-from corpusforge.storage.readers import LOCAL_READERS
+from corpusforge.storage.readers import LOCAL_READERS, DirectBinReader, PreadBinReader
 
 MAGIC = b"CFSHARE1"
 _ALIGN = 8
@@ -146,7 +146,9 @@ def _write(path: Path, datasets: Sequence[IndexedDataset]) -> None:
     for ds in datasets:
         reader = ds.reader
         size = len(ds._idx)
-        entries.append([ds.source, ds.prefix, offset, size, reader.nbytes, reader.read_mode, reader.read_mode_reason])
+        align = getattr(reader, "_align", 0)  # O_DIRECT's block size: found with a stat of the .bin, not repeated
+        entries.append([ds.source, ds.prefix, offset, size, reader.nbytes, reader.read_mode, reader.read_mode_reason,
+                        align])  # fmt: skip
         offset += -(-size // _ALIGN) * _ALIGN
     header = json.dumps({"entries": entries}).encode()
     start = -(-(len(MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
@@ -195,22 +197,27 @@ def _dataset(
 ) -> IndexedDataset:
     """Dataset i of a share: its index read in place from the mapping (validated by the process that wrote it; the
     O(1) checks run again), its .bin opened at its first read, like any local dataset's."""
-    source, prefix, offset, size, nbytes, mode, reason = entry
+    source, prefix, offset, size, nbytes, mode, reason, align = entry
     index = OpenedIndex.from_bytes(view[start + offset : start + offset + size], f"{prefix}.idx")
-    ds = IndexedDataset(prefix, check=False, reader=_reader(f"{prefix}.bin", index, nbytes, mode, reason), index=index)
+    reader = _reader(f"{prefix}.bin", index, nbytes, mode, reason, align)
+    ds = IndexedDataset(prefix, check=False, reader=reader, index=index)
     ds.source = source
     ds.reopen = (_reopen, (str(path), i, source, config))
     return ds
 
 
-def _reader(location: str, index: OpenedIndex, nbytes: int, mode: str, reason: str) -> BinReader:
-    """The reader the writing process chose, without LocalBinReader's stat and access(): it checked both, and a
-    file that changed since is refused at the first read (the size is checked again when the .bin is mapped)."""
+def _reader(location: str, index: OpenedIndex, nbytes: int, mode: str, reason: str, align: int) -> BinReader:
+    """The reader the writing process chose, without LocalBinReader's stat and access() nor DirectBinReader's stat
+    for the device's block size: it made them (a .bin that changed size since is refused at its first read)."""
     cls = LOCAL_READERS[mode]
     reader = cls.__new__(cls)
     BinReader.__init__(reader, location, index.header.dtype, nbytes)
     reader.read_mode, reader.read_mode_reason = mode, reason
-    reader._init_state()
+    if issubclass(cls, DirectBinReader):
+        PreadBinReader._init_state(reader)
+        reader._align = align
+    else:
+        reader._init_state()
     return reader
 
 

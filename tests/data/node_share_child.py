@@ -2,7 +2,8 @@
 
     python node_share_child.py SPEC.json
 
-SPEC: {"blend": [...], "cache_dir", "share_dir", "ready": path or null, "stall": null | "reading" | "writing"}.
+SPEC: {"blend": [...], "cache_dir", "share_dir", "read_mode", "ready": path or null,
+"stall": null | "reading" | "writing"}.
 Prints one JSON line: {"digest": sha256 of every sample's tokens, "from_share": whether this process mapped the
 node's share (True) or read the indices itself (False)}. With "stall", the test's fault: once this process has
 read part of the blend ("reading") or written part of the share ("writing"), it touches `ready` and sleeps until
@@ -68,7 +69,7 @@ def main() -> None:
     inject(spec)
     train, _, _ = build_gpt_datasets(
         spec["blend"], seq_length=32, split="1", seed=7, num_samples=(300, 0, 0), cache_dir=spec["cache_dir"],
-        storage=StorageConfig(node_share_dir=spec["share_dir"]),
+        storage=StorageConfig(read_mode=spec["read_mode"], node_share_dir=spec["share_dir"]),
     )  # fmt: skip
     digest = hashlib.sha256(train.read_raw(range(len(train))).text.tobytes())  # numpy: no torch to import
     from_share = [isinstance(part.indexed._idx, memoryview) for part in train.datasets]

@@ -4,6 +4,7 @@ half-written under the share's name."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import pytest
 from loader_data import write_dataset
 
 from corpusforge.data import build_gpt_datasets
-from corpusforge.storage import StorageConfig
+from corpusforge.storage import StorageConfig, o_direct_refused
 
 CHILD = Path(__file__).with_name("node_share_child.py")
 DATASETS = 12
@@ -41,9 +42,17 @@ def reference(blend, tmp_path_factory) -> str:
     return hashlib.sha256(train.read_raw(range(len(train))).text.tobytes()).hexdigest()
 
 
+@functools.cache
+def read_mode(first_bin: str) -> str:
+    """O_DIRECT where the file system has it: its reader stats each .bin for the device's block size, which the
+    processes mapping a share must not repeat. Asked once (it opens the file)."""
+    return "auto" if o_direct_refused(first_bin) else "direct"
+
+
 def start(tmp_path: Path, blend: list, job: str, name: str, stall: str | None = None) -> subprocess.Popen:
     spec = {"blend": blend, "cache_dir": str(tmp_path / "cache"), "share_dir": str(tmp_path / "shm"),
-            "ready": str(tmp_path / f"{name}.ready"), "stall": stall}  # fmt: skip
+            "ready": str(tmp_path / f"{name}.ready"), "stall": stall,
+            "read_mode": read_mode(f"{blend[0]}.bin")}  # fmt: skip
     (tmp_path / f"{name}.json").write_text(json.dumps(spec))
     env = {**os.environ, "CORPUSFORGE_NODE_SHARE_JOB": job, "PYTHONPATH": str(CHILD.parent)}
     return subprocess.Popen(
@@ -72,13 +81,33 @@ def test_one_process_reads_the_others_map_and_read_no_index(blend, reference, tm
         for prefix in blend[0::2]:
             os.rename(f"{prefix}.idx", f"{prefix}.idx.away")
             moved.append(prefix)
+        read_mode(f"{blend[0]}.bin")  # asked before the spy starts
+        calls = record_calls(monkeypatch, Path(blend[0]).parent)
         late = opened_here(tmp_path, blend, job, monkeypatch)
     finally:
         for prefix in moved:
             os.rename(f"{prefix}.idx.away", f"{prefix}.idx")
     assert late == (reference, True)
+    # Nor does it stat or access() a .bin: it opens only those it reads samples from, once each.
+    assert {call for call, _ in calls} == {"open"}, calls
+    assert len(calls) == len(set(calls)) <= DATASETS and all(name.endswith(".bin") for _, name in calls), calls
     # Another job (another name) does not map this job's share: it reads for itself.
     assert opened_here(tmp_path, blend, uuid.uuid4().hex, monkeypatch) == (reference, False)
+
+
+def record_calls(monkeypatch, data: Path) -> list[tuple[str, str]]:
+    """Every os.stat, os.lstat, os.access and os.open of this process naming a file under `data`, from now on."""
+    calls: list[tuple[str, str]] = []
+    for name in ("stat", "lstat", "access", "open"):
+        real = getattr(os, name)
+
+        def spy(path, *args, real=real, name=name, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).parent == data:
+                calls.append((name, Path(path).name))
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, spy)
+    return calls
 
 
 def opened_here(tmp_path: Path, blend: list, job: str, monkeypatch) -> tuple[str, bool]:
@@ -86,7 +115,7 @@ def opened_here(tmp_path: Path, blend: list, job: str, monkeypatch) -> tuple[str
     monkeypatch.setenv("CORPUSFORGE_NODE_SHARE_JOB", job)
     train, _, _ = build_gpt_datasets(
         blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0), cache_dir=tmp_path / "cache",
-        storage=StorageConfig(node_share_dir=str(tmp_path / "shm")),
+        storage=StorageConfig(read_mode=read_mode(f"{blend[0]}.bin"), node_share_dir=str(tmp_path / "shm")),
     )  # fmt: skip
     digest = hashlib.sha256(train.read_raw(range(len(train))).text.tobytes()).hexdigest()
     return digest, isinstance(train.datasets[0].indexed._idx, memoryview)
