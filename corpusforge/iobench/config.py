@@ -11,7 +11,7 @@ from corpusforge.iobench.mlperf import MODELS as MLPERF_MODELS
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # Read and write patterns over plain files; "replay" and "train" go through corpusforge's loader.
-PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train")
+PATTERNS = ("seq-read", "seq-write", "rand-read", "metadata", "checkpoint", "replay", "train", "offload")
 DEFAULT_PATTERNS = ("seq-write", "seq-read", "rand-read", "metadata", "checkpoint", "replay")
 
 
@@ -204,6 +204,7 @@ class BenchConfig:
         reads = self.file_size * slots if {"seq-read", "rand-read"} & set(self.patterns) else 0
         passing = {
             "seq-write": self.file_size * slots,
+            "offload": self.file_size * slots,  # the nvme optimizer step's three state files (iobench/offload.py)
             "checkpoint": self._checkpoint_bytes(slots),
             "metadata": self.metadata_files * max(self.metadata_file_size, 4 * KiB) * slots,
         }

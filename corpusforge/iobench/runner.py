@@ -409,11 +409,12 @@ class Run(RunResults):
         c = self.config
         if pattern == "checkpoint" and c.mlperf:
             return [self._mlperf_case(run_dir)]
-        sizes = c.block_sizes if pattern in ("seq-read", "seq-write") else (c.sample_size,)
+        sized = ("seq-read", "seq-write", "offload")  # offload: block_size is the chunk of each state file
+        sizes = c.block_sizes if pattern in sized else (c.sample_size,)
         cases = []
         for procs in c.procs:
             for bs in sizes:
-                direct = info.direct and pattern in ("seq-read", "seq-write", "rand-read") and bs % patterns.ALIGN == 0
+                direct = info.direct and pattern in (*sized, "rand-read") and bs % patterns.ALIGN == 0
                 scratch = os.path.join(run_dir, f"case-{len(self.results)}-{len(cases)}")
                 cases.append(patterns.Case(pattern, run_dir, scratch, procs, self.ranks.world, bs, direct, c))
         return cases

@@ -198,34 +198,9 @@ class NvmeAdamW(torch.optim.Optimizer):
 
     def _stream(self, compute: Any, kinds: tuple[str, ...] = KINDS, read: bool = True) -> None:
         """Every chunk through `compute(chunk, buffers)`: read ahead (when `read`), compute here, write behind."""
-        free = deque(self._sets)
-        reads: deque[tuple[Future, dict]] = deque()
-        writes: deque[tuple[Future, dict]] = deque()
-
-        def take() -> dict:
-            if not free:
-                future, bufs = writes.popleft()
-                future.result()
-                free.append(bufs)
-            return free.popleft()
-
-        def submit_read(c: Chunk) -> None:
-            bufs = take()
-            job = self._reader.submit(self._read, c, bufs, kinds) if read else _done()
-            reads.append((job, bufs))
-
-        ahead = len(self._sets) - 2  # one set in the update, one being written
-        for c in self.chunks[:ahead]:
-            submit_read(c)
-        for i, c in enumerate(self.chunks):
-            future, bufs = reads.popleft()
-            future.result()
-            if i + ahead < len(self.chunks):
-                submit_read(self.chunks[i + ahead])
-            compute(c, bufs)
-            writes.append((self._writer.submit(self._write, c, bufs, kinds), bufs))
-        for future, _ in writes:
-            future.result()
+        reader = (lambda c, bufs: self._read(c, bufs, kinds)) if read else None
+        stream_chunks(self.chunks, self._sets, reader, compute, lambda c, bufs: self._write(c, bufs, kinds),
+                      self._reader, self._writer)  # fmt: skip
 
     def _read(self, c: Chunk, bufs: dict, kinds: tuple[str, ...]) -> None:
         n = c.length * 4
@@ -295,6 +270,41 @@ class NvmeAdamW(torch.optim.Optimizer):
         for st in self.state.values():
             st["step"].fill_(float(self.generation))
         self._master_stale = True
+
+
+def stream_chunks(chunks: list[Chunk], sets: list[dict], read: Any, compute: Any, write: Any,
+                  reader: ThreadPoolExecutor, writer: ThreadPoolExecutor) -> None:  # fmt: skip
+    """The step's I/O schedule, shared with bench-io's offload pattern: every chunk is read into a free buffer set
+    on the `reader` thread (`read(chunk, set)`, up to len(sets) - 2 chunks ahead; None: nothing to read), given to
+    `compute(chunk, set)` on this thread, then written from that set on the `writer` thread (`write(chunk, set)`),
+    which frees the set once done. Errors of either thread are raised here."""
+    free = deque(sets)
+    reads: deque[tuple[Future, dict]] = deque()
+    writes: deque[tuple[Future, dict]] = deque()
+
+    def take() -> dict:
+        if not free:
+            future, bufs = writes.popleft()
+            future.result()
+            free.append(bufs)
+        return free.popleft()
+
+    def submit_read(c: Chunk) -> None:
+        bufs = take()
+        reads.append((reader.submit(read, c, bufs) if read else _done(), bufs))
+
+    ahead = max(1, len(sets) - 2)  # one set in compute, one being written
+    for c in chunks[:ahead]:
+        submit_read(c)
+    for i, c in enumerate(chunks):
+        future, bufs = reads.popleft()
+        future.result()
+        if i + ahead < len(chunks):
+            submit_read(chunks[i + ahead])
+        compute(c, bufs)
+        writes.append((writer.submit(write, c, bufs), bufs))
+    for future, _ in writes:
+        future.result()
 
 
 def _done() -> Future:
