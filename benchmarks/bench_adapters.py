@@ -1,11 +1,14 @@
 """What each trainer adapter costs per sample against corpusforge's own loader, in one run.
 
-    python benchmarks/bench_adapters.py [--tokens 2e7] [--docs 9600] [--samples 4000] [--rounds 5]
+    python benchmarks/bench_adapters.py [--tokens 2e7] [--docs 9600] [--samples 4000] [--rounds 7]
                                         [--only NAME ...] [--out benchmarks/results/adapters-<date>.json]
 
 bench_loader's generated dataset (uint16, ~2,000-token documents), its train split, warm page cache, one process
 (no workers), micro-batches of 8 samples of 2,048 tokens, the first --samples samples of rank 0 of 1, each batch
-as the trainer receives it from its DataLoader; rounds alternate the order of the cases, medians reported:
+as the trainer receives it from its DataLoader; rounds alternate the order of the cases, medians reported. Each
+run is timed in wall seconds and in this thread's CPU seconds (time.thread_time): every case runs in this one thread,
+so its CPU time is its work, which a loaded machine (other jobs on the same cores) stretches far less than its wall
+time; the ratios against the anchor are taken per round, then their median.
 
   corpusforge          make_loader(train, 8): the anchor, int32 torch tensors
   corpusforge int64    the anchor's batches widened to int64 (tokens, labels, position_ids): the types Megatron-LM
@@ -13,7 +16,8 @@ as the trainer receives it from its DataLoader; rounds alternate the order of th
   megatron-lm          MegatronSamples through what Megatron-LM's build_pretraining_data_loader makes: a DataLoader
                        with Megatron's sampler and the default collate; int64 as megatron-core types them
   megatron-core        megatron-core's own GPTDataset in that same DataLoader (what the provider replaces)
-  hf-trainer           TrainerSamples in a DataLoader of 8 with transformers' default_data_collator, in order
+  hf-trainer           TrainerSamples in a DataLoader of 8 in order with collate_rows, the adapter's data_collator
+  hf default collate   the same with transformers' default_data_collator (which copies every field)
   lightning            CorpusforgeDataModule.train_dataloader() and its on_before_batch_transfer count
 
 Cases are a list of Case(name, make, tokens); another adapter adds its own to CASES. Every case's first batches
@@ -99,14 +103,15 @@ def megatron_core(s: Setup) -> Iterable[Any]:
     return megatron_loader(train)
 
 
-def hf_trainer(s: Setup) -> Iterable[Any]:
+def hf_trainer(s: Setup, default_collate: bool = False) -> Iterable[Any]:
     import torch
     from transformers import default_data_collator
 
-    from corpusforge.adapters.hf_trainer import TrainerSamples
+    from corpusforge.adapters.hf_trainer import TrainerSamples, collate_rows
 
+    collate = default_data_collator if default_collate else collate_rows
     return torch.utils.data.DataLoader(TrainerSamples(s.train), batch_size=BATCH, shuffle=False, drop_last=True,
-                                       collate_fn=default_data_collator)  # fmt: skip
+                                       collate_fn=collate)  # fmt: skip
 
 
 class _Counting:
@@ -140,18 +145,20 @@ CASES: list[Case] = [
     Case("megatron-lm", megatron_lm),
     Case("megatron-core", megatron_core),
     Case("hf-trainer", hf_trainer, lambda batch: batch["input_ids"].numpy()),
+    Case("hf default collate", lambda s: hf_trainer(s, True), lambda batch: batch["input_ids"].numpy()),
     Case("lightning", lightning),
 ]
 
 
-def timed(case: Case, setup: Setup, batches: int) -> float:
-    """Microseconds per sample over `batches` micro-batches of a fresh iterable."""
+def timed(case: Case, setup: Setup, batches: int) -> tuple[float, float]:
+    """(wall, thread CPU) microseconds per sample over `batches` micro-batches of a fresh iterable."""
     iterable = case.make(setup)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     it = iter(iterable)
     for _ in range(batches):
         next(it)
-    return (time.perf_counter() - t0) / (batches * BATCH) * 1e6
+    per = 1e6 / (batches * BATCH)
+    return round((time.perf_counter() - t0) * per, 2), round((time.thread_time() - c0) * per, 2)
 
 
 def main() -> None:
@@ -160,7 +167,7 @@ def main() -> None:
     ap.add_argument("--docs", type=float, default=9600)
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=4000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--only", nargs="*", help="case names to run (the anchor always runs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -181,15 +188,24 @@ def main() -> None:
     for case in cases:  # also the first calls, which are not throughput
         got = [case.tokens(b) for _, b in zip(range(3), case.make(setup))]
         assert all(np.array_equal(a, b) for a, b in zip(got, anchor)), f"{case.name}: not the anchor's batches"
-    runs: dict[str, list[float]] = {c.name: [] for c in cases}
+    wall: dict[str, list[float]] = {c.name: [] for c in cases}
+    cpu: dict[str, list[float]] = {c.name: [] for c in cases}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for case in cases if r % 2 == 0 else cases[::-1]:
-            runs[case.name].append(round(timed(case, setup, batches), 2))
+            w, c = timed(case, setup, batches)
+            wall[case.name].append(w)
+            cpu[case.name].append(c)
         load.append(os.getloadavg()[0])
-        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    cost = {k: round(v / med["corpusforge"] - 1, 4) for k, v in med.items() if k != "corpusforge"}
+        print(f"round {r + 1} (cpu us/sample): " + "  ".join(f"{k} {v[-1]}" for k, v in cpu.items()), flush=True)
+
+    def cost_of(runs: dict[str, list[float]]) -> dict[str, float]:
+        anchor = runs["corpusforge"]
+        return {k: round(statistics.median(a / b - 1 for a, b in zip(v, anchor)), 4) for k, v in runs.items()
+                if k != "corpusforge"}  # fmt: skip
+
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    cost = cost_of(cpu)
     machine = bench.machine_info()
     machine["adapter_packages"] = {
         n: importlib.metadata.version(n) for n in ("transformers", "lightning", "megatron-core")
@@ -200,15 +216,20 @@ def main() -> None:
         "load_average_per_round": [round(x, 2) for x in load],
         "config": {"tokens": tokens, "documents": docs, "seq_length": seq, "samples": args.samples,
                    "rounds": args.rounds, "micro_batch": BATCH, "workers": 0, "read_mode": train.indexed.read_mode},
-        "median_us_per_sample": med,
-        "extra_time_vs_corpusforge": cost,
-        "runs": runs,
+        "median_cpu_us_per_sample": med,
+        "extra_cpu_time_vs_corpusforge": cost,
+        "median_wall_us_per_sample": {k: statistics.median(v) for k, v in wall.items()},
+        "extra_wall_time_vs_corpusforge": cost_of(wall),
+        "runs_cpu_us_per_sample": cpu,
+        "runs_wall_us_per_sample": wall,
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nmedian of {args.rounds} rounds, us per sample ({args.samples} samples, batches of {BATCH}, warm cache):")
+    walls = report["extra_wall_time_vs_corpusforge"]
+    print(f"\nmedian of {args.rounds} rounds, CPU us per sample ({args.samples} samples, batches of {BATCH}, warm):")
     for k, v in med.items():
-        print(f"  {k:16s} {v:8.2f}" + (f"  {cost[k]:+.1%} vs corpusforge" if k in cost else ""))
+        extra = f"  {cost[k]:+.1%} vs corpusforge (wall {walls[k]:+.1%})" if k in cost else ""
+        print(f"  {k:18s} {v:8.2f}{extra}")
     print(f"load average per round: {[round(x, 2) for x in load]}\nwrote {out}")
 
 

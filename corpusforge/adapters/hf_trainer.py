@@ -4,7 +4,9 @@ Each sample is {input_ids, labels, shift_labels, position_ids}, all int64 (S,): 
 tokens; labels are its labels (the next tokens, already shifted) with -100 where its loss_mask is 0. Handing the
 model `shift_labels` makes transformers' causal-LM loss use them as they are (loss/loss_utils.py: ForCausalLMLoss)
 instead of shifting `labels` once more, so every one of the S targets is trained, as in Megatron; the Trainer counts
-the loss's tokens from `shift_labels` too. A micro-batch is read with one gather (`__getitems__`).
+the loss's tokens from `shift_labels` too. A micro-batch is read with one gather (`__getitems__`), whose rows
+`collate_rows` (the Trainer's data_collator) hands back as the batch tensors they were cut from, without the copy
+transformers' default collator makes of every field.
 
 The Trainer must read the samples in order (the dataset's own shuffle index already randomised them) and hand
 `shift_labels` to the model; TRAINING_ARGUMENTS says how, and check_training_arguments refuses anything else.
@@ -16,7 +18,7 @@ Example:
     >>> train, _, _ = build_gpt_datasets("out/a_text_document", 1024, num_samples=(8000, 0, 0), cache_dir="cache/")
     >>> args = TrainingArguments("run/", per_device_train_batch_size=8, max_steps=1000, **TRAINING_ARGUMENTS)
     >>> check_training_arguments(args)
-    >>> Trainer(model=model, args=args, train_dataset=TrainerSamples(train)).train(resume_from_checkpoint=...)
+    >>> Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows).train()
 """
 
 from __future__ import annotations
@@ -83,3 +85,28 @@ class TrainerSamples:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         return self.__getitems__([i % len(self)])[0]
+
+
+def collate_rows(features: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Trainer's data_collator for TrainerSamples: where `features` are the rows of one `__getitems__` call, in
+    order, the (B, S) tensors they are views of (no copy); anything else goes to transformers'
+    default_data_collator, which stacks (copies) each field.
+
+    Example:
+        >>> batch = collate_rows(TrainerSamples(train).__getitems__([0, 1]))
+        >>> batch["input_ids"].shape
+        torch.Size([2, 1024])
+    """
+    out = {}
+    for key, first in features[0].items():
+        base = getattr(first, "_base", None)
+        if base is None or base.dim() != 2 or base.shape[0] != len(features):
+            break
+        if any(f[key].data_ptr() != base[r].data_ptr() for r, f in enumerate(features)):
+            break
+        out[key] = base
+    else:
+        return out
+    from transformers import default_data_collator
+
+    return default_data_collator(features)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from corpusforge.adapters.hf_trainer import TRAINING_ARGUMENTS, TrainerSamples, check_training_arguments
+from corpusforge.adapters.hf_trainer import TRAINING_ARGUMENTS, TrainerSamples, check_training_arguments, collate_rows
 from corpusforge.data import build_gpt_datasets
 from corpusforge.tokenizers import load_tokenizer
 
@@ -36,5 +36,5 @@ model = LlamaForCausalLM(config)
 args = TrainingArguments("out/hf-trainer", per_device_train_batch_size=micro_batch, max_steps=steps, save_steps=5,
                          logging_steps=5, use_cpu=True, report_to=[], **TRAINING_ARGUMENTS)  # fmt: skip
 check_training_arguments(args)
-trainer = Trainer(model=model, args=args, train_dataset=TrainerSamples(train))
+trainer = Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows)
 trainer.train(resume_from_checkpoint="--resume" in sys.argv)

@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from corpusforge.adapters.hf_trainer import TRAINING_ARGUMENTS, TrainerSamples, check_training_arguments
+    from corpusforge.adapters.hf_trainer import (
+        TRAINING_ARGUMENTS,
+        TrainerSamples,
+        check_training_arguments,
+        collate_rows,
+    )
 
     out = Path(a.out)
     torch.manual_seed(0)
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                 block_until_killed(out / "checkpointed")
 
     samples = TrainerSamples(train_dataset(a.corpora.split(","), a.cache))
-    trainer = Trainer(model=model, args=args, train_dataset=samples, callbacks=[Record()])
+    trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collate_rows, callbacks=[Record()])
 
     def record(module, args_, kwargs):  # the batch as the model gets it, at the step being trained
         batch = torch.stack([kwargs["input_ids"], kwargs["shift_labels"]])

@@ -13,6 +13,7 @@ from corpusforge.adapters.hf_trainer import (
     TRAINING_ARGUMENTS,
     TrainerSamples,
     check_training_arguments,
+    collate_rows,
 )
 from corpusforge.data import build_gpt_datasets, make_loader
 from corpusforge.errors import ArgumentError
@@ -55,6 +56,23 @@ def test_samples_are_the_loaders_in_the_trainers_collate(tmp_path, corpora):
     assert (np.concatenate([b["labels"].numpy() for b in theirs]) == IGNORE_INDEX).any()  # masked targets seen
     with pytest.raises(IndexError):
         TrainerSamples(train)[len(train)]
+
+
+def test_collate_rows_gives_the_default_collators_batches(tmp_path, corpora):
+    """The rows of one read handed back without a copy; rows of several reads, or reordered, stacked as
+    transformers' default_data_collator stacks them (the same values either way)."""
+    train, _, _ = build_gpt_datasets(corpora[1], 32, "1", 3, (40, 0, 0), tmp_path, eod_token_id=0, eod_mask_loss=True)
+    samples = TrainerSamples(train)
+    one_read = samples.__getitems__([4, 5, 6])
+    mixed = samples.__getitems__([4, 5]) + samples.__getitems__([6])
+    for rows in (one_read, mixed, one_read[::-1]):
+        got, expected = collate_rows(rows), transformers.default_data_collator(rows)
+        assert sorted(got) == sorted(expected)
+        for key in expected:
+            assert got[key].dtype == expected[key].dtype and bool((got[key] == expected[key]).all()), key
+    shared = collate_rows(one_read)["input_ids"]
+    assert shared.data_ptr() == one_read[0]["input_ids"].data_ptr()  # no copy
+    assert collate_rows(mixed)["input_ids"].data_ptr() != mixed[0]["input_ids"].data_ptr()
 
 
 @pytest.mark.parametrize("change", list(TRAINING_ARGUMENTS))
