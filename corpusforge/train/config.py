@@ -697,6 +697,12 @@ def _check_curriculum(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.curriculum: pipeline stages (parallel.pp = {cfg.parallel.pp}) take one sequence "
                           "length; drop the phases' seq_length or set parallel.pp=1",
                           ["data.curriculum", "parallel.pp"])  # fmt: skip
+    tp = cfg.parallel.tp  # an inferred tp (-1) is checked for model.seq_length only, by parallel.resolve_layout
+    uneven = sorted({p.seq_length for p in curriculum.phases if p.seq_length % tp}) if tp > 1 else []
+    if uneven and cfg.parallel.sequence_parallel:
+        raise ConfigError(f"data.curriculum: parallel.tp = {tp} does not divide a phase's seq_length {uneven[0]} "
+                          f"(sequence parallel splits it); use a multiple of {tp} or set "
+                          "parallel.sequence_parallel=false", ["data.curriculum", "parallel.tp"])  # fmt: skip
 
 
 def _check_retro(r: RetroSection) -> None:

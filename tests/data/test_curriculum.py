@@ -159,6 +159,10 @@ def test_each_mistake_is_one_line_naming_the_phase(phases, words):
         (['data.source="synthetic"', "data.curriculum=[{until_step=3}, {}]"], "not synthetic tokens"),
         (["parallel.pp=2", "data.curriculum=[{until_step=3, seq_length=16}, {}]"], "pipeline stages"),
         (["data.curriculum=5"], "expected a list"),
+        (
+            ["parallel.tp=4", "data.curriculum=[{until_step=3, seq_length=2}, {}]"],
+            "does not divide a phase's seq_length 2",
+        ),
     ],
 )
 def test_what_a_curriculum_does_not_fit_is_refused(extra, words):
