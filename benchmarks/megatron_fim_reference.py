@@ -19,7 +19,10 @@ tokenizers, helpers). Shims, and nothing else:
 
 The tokenizer is a small byte-level BPE trained here on the generated corpus (tokenizer.json), loaded by Megatron's
 MegatronTokenizer (huggingface library) with HEAD's defaults given explicitly (use_fast=True,
-include_special_tokens=True) and the FIM tokens as additional special tokens, as Megatron's FIM test loads it.
+include_special_tokens=True) and the FIM tokens as additional special tokens, as Megatron's FIM test loads it;
+for the setting "named_specials" from a tokenizer_config.json naming only eod and pad and with no additional special
+tokens, as Megatron's training loads it (transformers then keeps the FIM tokens' and <file_sep>'s text when
+decoding, and the FIM rewrite moves them).
 The corpus: generated code-like "repositories" (files joined by <file_sep>, some starting with "#!", some
 non-ASCII text so that byte-level pieces are cut inside characters, special tokens' text inside the text (which
 Megatron's encoding makes the special token), documents of 1 token to several samples,
@@ -92,7 +95,10 @@ SETTINGS = {
         {"eod_mask_loss": True},
     ),
     "off": (64, {"fim_rate": 0.0, "fim_spm_rate": 0.5}, {}),
+    "named_specials": (64, {"fim_rate": 1.0, "fim_spm_rate": 0.5}, {"reset_position_ids": True}),
 }
+# the tokenizer directory of a setting (default "tokenizer": every added token special, as Megatron's FIM test)
+TOKENIZER_OF = {"named_specials": "tokenizer_named"}
 RNG_MODES = ("megatron", "sample")
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -154,6 +160,23 @@ def train_tokenizer(out: Path) -> None:
     write_json_atomic(out / "tokenizer_config.json", config)
 
 
+def named_tokenizer(source: Path, out: Path) -> None:
+    """The same tokenizer.json with a tokenizer_config.json that names only eod and pad: transformers then counts
+    only those as special (the FIM tokens and <file_sep> are added tokens it keeps when decoding), as where Megatron's
+    training builds its tokenizer without the FIM tokens as additional special tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out / "tokenizer.json", (source / "tokenizer.json").read_bytes())
+    write_json_atomic(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOD,
+            "pad_token": PAD,
+            "model_max_length": 1_000_000,
+        },
+    )
+
+
 def corpus_tokens(tokenizer_json: Path) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths) of the token dataset: each document's files encoded and joined by <file_sep>, then eod."""
     import tokenizers
@@ -212,13 +235,13 @@ def megatron_fim_classes(mirror: Path, rev: str, work: Path):
     return fim.GPTFIMDataset, fim.GPTFIMDatasetConfig
 
 
-def megatron_tokenizer(directory: Path):
+def megatron_tokenizer(directory: Path, additional_special_tokens: list[str] | None = None):
     from megatron.core.tokenizers import MegatronTokenizer
 
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=str(directory),
         metadata_path={"library": "huggingface"},
-        additional_special_tokens=SPECIALS[1:],
+        additional_special_tokens=SPECIALS[1:] if additional_special_tokens is None else additional_special_tokens,
         include_special_tokens=True,
         use_fast=True,
     )
@@ -287,14 +310,19 @@ def main() -> None:
                             text=True).stdout.strip()  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     train_tokenizer(args.out / "tokenizer")
+    named_tokenizer(args.out / "tokenizer", args.out / "tokenizer_named")
     tokens, lengths = corpus_tokens(args.out / "tokenizer" / "tokenizer.json")
     arrays: dict[str, np.ndarray] = {"corpus/tokens": tokens, "corpus/lengths": lengths}
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         prefix = write_corpus(tokens, lengths, work / PREFIX_NAME)
         classes = megatron_fim_classes(args.mirror, commit, work)
-        tokenizer = megatron_tokenizer(args.out / "tokenizer")
+        tokenizers_by_dir = {
+            "tokenizer": megatron_tokenizer(args.out / "tokenizer"),
+            "tokenizer_named": megatron_tokenizer(args.out / "tokenizer_named", []),
+        }
         for name, (seq_length, fim, masks) in SETTINGS.items():
+            tokenizer = tokenizers_by_dir[TOKENIZER_OF.get(name, "tokenizer")]
             for mode in RNG_MODES:
                 ds = build_megatron(classes, tokenizer, prefix, work / f"cache-{name}-{mode}", seq_length, fim, masks)
                 for key, value in read_samples(ds, mode).items():
@@ -329,7 +357,10 @@ def main() -> None:
                 "megatron": "samples 0..N-1 read in order from one RandomState(seed)",
                 "sample": "RandomState reseeded with [seed, i] before sample i",
             },
-            "settings": {n: {"seq_length": s, **f, **m} for n, (s, f, m) in SETTINGS.items()},
+            "settings": {
+                n: {"seq_length": s, **f, **m, "tokenizer": TOKENIZER_OF.get(n, "tokenizer")}
+                for n, (s, f, m) in SETTINGS.items()
+            },
         },
     )
     print(f"wrote {args.out} (Megatron-LM {commit})")

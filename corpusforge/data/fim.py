@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,7 @@ class FIMTokenizer:
         [17, 42]
     """
 
-    def __init__(self, path: str | Path, engine: str = "auto") -> None:
+    def __init__(self, path: str | Path, engine: str = "auto", special_tokens: Sequence[str] = ()) -> None:
         import tokenizers
 
         path = Path(path)
@@ -151,10 +152,11 @@ class FIMTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         added = json.loads(text).get("added_tokens") or []
-        self.special_ids = frozenset(int(t["id"]) for t in added if t.get("special"))
+        self.special_tokens = tuple(dict.fromkeys([*_named_special_tokens(path.parent), *special_tokens]))
+        self.special_ids = frozenset(self.token_id(t) for t in self.special_tokens)
         self._added_texts = tuple(t["content"] for t in added)
         self._fast = self._fast_encoder(path, engine)
-        self._bytes = None if engine == "reference" else _byte_level_table(json.loads(text), added)
+        self._bytes = None if engine == "reference" else _byte_level_table(json.loads(text), self.special_ids)
 
     def _fast_encoder(self, path: Path, engine: str) -> Any:
         """corpusforge's gigatoken tokenizer of the file where it gives Megatron's ids (class docstring), else None."""
@@ -184,7 +186,8 @@ class FIMTokenizer:
         if table is not None and (not ids or 0 <= min(ids) and max(ids) < len(table)):
             # the ByteLevel decoder's own work: the tokens' bytes joined, invalid UTF-8 replaced by U+FFFD
             return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
-        return self._tok.decode(ids, skip_special_tokens=True)
+        specials = self.special_ids
+        return self._tok.decode([i for i in ids if i not in specials], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` (Megatron: text_to_ids with include_special_tokens, i.e. tokenizer(text).input_ids)."""
@@ -197,11 +200,31 @@ class FIMTokenizer:
         return [np.array(self.encode(t), dtype=np.int64) for t in texts]
 
     def describe(self) -> dict[str, Any]:
-        return {"tokenizer": str(self.path)}
+        return {"tokenizer": str(self.path), "special_tokens": list(self.special_tokens)}
 
     def __reduce__(self):
         # to spawned DataLoader workers as the file to load (the engines' objects do not all pickle)
-        return (FIMTokenizer, (self.path, self.engine))
+        return (FIMTokenizer, (self.path, self.engine, self.special_tokens))
+
+
+# transformers' special-token attributes (SpecialTokensMixin), read from a tokenizer_config.json
+_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_LISTS = ("additional_special_tokens", "extra_special_tokens")
+
+
+def _named_special_tokens(directory: Path) -> list[str]:
+    """The special tokens transformers' AutoTokenizer gives a tokenizer loaded from `directory` (its
+    all_special_tokens): those the tokenizer_config.json names, none without one."""
+    config_path = directory / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise ArgumentError(f"{config_path}: not readable JSON ({str(e).splitlines()[0]}); fix or remove it") from None
+    named = [config.get(k) for k in _NAMED] + [t for k in _LISTS for t in (config.get(k) or [])]
+    texts = [t.get("content") if isinstance(t, dict) else t for t in named]
+    return [t for t in texts if isinstance(t, str)]
 
 
 def _byte_to_unicode() -> dict[str, int]:
@@ -214,24 +237,23 @@ def _byte_to_unicode() -> dict[str, int]:
     return chars
 
 
-def _byte_level_table(config: dict[str, Any], added: list[dict[str, Any]]) -> list[bytes] | None:
-    """Each id's bytes, b"" for special tokens, where decoding is ByteLevel alone (GPT-2, Llama 3 and StarCoder
-    style files) and every added token is special (skipped): decoding is then joining bytes, which tokenizers' decode
-    call does ~5x slower from Python. None where the file decodes otherwise (then tokenizers decodes)."""
+def _byte_level_table(config: dict[str, Any], special_ids: frozenset[int]) -> list[bytes] | None:
+    """Each id's bytes, b"" for the special tokens, where decoding is ByteLevel alone (GPT-2, Llama 3 and StarCoder
+    style files): decoding is then joining bytes, which tokenizers' decode call does ~3x slower from Python. None
+    where the file decodes otherwise, or a token is outside the byte-level alphabet (then tokenizers decodes)."""
     decoder = config.get("decoder") or {}
-    vocab = (config.get("model") or {}).get("vocab")
-    if decoder.get("type") != "ByteLevel" or not isinstance(vocab, dict) or any(not t.get("special") for t in added):
+    vocab = dict((config.get("model") or {}).get("vocab") or {})
+    if decoder.get("type") != "ByteLevel" or not vocab:
         return None
+    for t in config.get("added_tokens") or []:
+        vocab.setdefault(t["content"], int(t["id"]))
     alphabet = _byte_to_unicode()
-    size = max([*vocab.values(), *(int(t["id"]) for t in added)]) + 1
-    table = [b""] * size
+    table = [b""] * (max(vocab.values()) + 1)
     for token, i in vocab.items():
         try:
-            table[i] = bytes(alphabet[c] for c in token)
-        except KeyError:  # a token outside the byte-level alphabet: leave decoding to tokenizers
+            table[i] = b"" if i in special_ids else bytes(alphabet[c] for c in token)
+        except KeyError:
             return None
-    for t in added:
-        table[int(t["id"])] = b""
     return table
 
 

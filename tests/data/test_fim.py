@@ -7,6 +7,7 @@ Megatron-LM's fim_dataset.py and gpt_dataset.py of the commit in reference.json 
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 from pathlib import Path
@@ -70,9 +71,17 @@ def plain_dataset(corpus: str, tokenizer: FIMTokenizer, name: str):
     return train
 
 
+@functools.cache
+def setting_tokenizer(directory: str, engine: str = "auto") -> FIMTokenizer:
+    return FIMTokenizer(REFERENCE / directory, engine=engine)
+
+
 def fim_dataset(corpus, tokenizer, name: str, mode: str, **changes) -> FIMDataset:
+    """The setting's FIM dataset, with its own tokenizer directory (Megatron's special tokens differ by setting)."""
     _, fim, _ = setting(name)
-    return FIMDataset(plain_dataset(corpus, tokenizer, name), FIMConfig(**{**fim, "rng": mode, **changes}), tokenizer)
+    directory = META["settings"][name]["tokenizer"]
+    tok = tokenizer if directory == "tokenizer" else setting_tokenizer(directory)
+    return FIMDataset(plain_dataset(corpus, tokenizer, name), FIMConfig(**{**fim, "rng": mode, **changes}), tok)
 
 
 def assert_equal_to_reference(batch: dict, reference: dict, name: str, mode: str, ids) -> None:
@@ -119,16 +128,31 @@ def test_samples_equal_megatrons(reference, corpus, tokenizer, name, mode):
     np.testing.assert_array_equal(text, reference[f"{name}/{mode}/text"], err_msg=f"{name}, rng={mode}: text")
 
 
-@pytest.mark.parametrize("name", ["mixed", "split_no_prefix"])
+@pytest.mark.parametrize("name", ["mixed", "split_no_prefix", "named_specials"])
 def test_the_reference_encoder_gives_the_same_samples_as_the_fast_one(reference, corpus, tokenizer, name):
     """FIMTokenizer encodes with gigatoken where that gives Megatron's ids; tokenizers alone gives the same."""
     assert tokenizer._fast is not None  # the fast path is the one the other tests check
-    slow = FIMTokenizer(REFERENCE / "tokenizer", engine="reference")
-    assert slow._fast is None
+    slow = setting_tokenizer(META["settings"][name]["tokenizer"], "reference")
+    assert slow._fast is None and slow._bytes is None
     _, fim, _ = setting(name)
     ids = np.arange(META["samples"])
     ds = FIMDataset(plain_dataset(corpus, tokenizer, name), FIMConfig(**fim), slow)
     assert_equal_to_reference(ds.get_batch(ids), reference, name, "sample", ids)
+
+
+def test_the_special_tokens_are_transformers_all_special_tokens(reference, corpus, tokenizer):
+    """Decoding drops the tokens transformers counts as special for the files (tokenizer_config.json's), as
+    Megatron's tokenizer does: with only eod and pad named, the FIM tokens' and <file_sep>'s text is kept and moved
+    by the rewrite; taking every added token as special there gives other samples."""
+    named = setting_tokenizer("tokenizer_named")
+    assert set(named.special_tokens) == {META["fim_tokens"]["eod"], META["fim_tokens"]["pad"]}
+    assert len(tokenizer.special_tokens) == 6
+    ids = np.arange(META["samples"])
+    _, fim, _ = setting("named_specials")
+    every = FIMDataset(plain_dataset(corpus, tokenizer, "named_specials"), FIMConfig(**fim), tokenizer)
+    assert not np.array_equal(every.get_batch(ids)["tokens"], reference["named_specials/sample/tokens"])
+    given = FIMTokenizer(REFERENCE / "tokenizer_named", special_tokens=tokenizer.special_tokens)
+    assert given.special_ids == tokenizer.special_ids
 
 
 def test_rng_sample_is_the_same_in_any_order_and_through_workers(reference, corpus, tokenizer):
