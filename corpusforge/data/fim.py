@@ -29,10 +29,10 @@ Both are compared with Megatron's own code in tests/data/test_fim.py (benchmarks
 
 Megatron decodes and encodes with its HuggingFaceTokenizer (include_special_tokens=True, the default at HEAD);
 `FIMTokenizer` does the same from a Hugging Face tokenizer.json with the `tokenizers` library: encoding is
-`tokenizer(text).input_ids` (the post-processor's special tokens added, special-token text matched), decoding
-drops the special tokens (added tokens marked special; the FIM tokens must be among them, as Megatron adds them
-as additional special tokens) and joins the rest with the file's decoder (`convert_tokens_to_string`). Where
-corpusforge's gigatoken engine gives the same ids it encodes instead (FIMTokenizer's docstring).
+`tokenizer(text).input_ids` (the post-processor's special tokens added, added tokens' text matched), decoding
+drops the special tokens (transformers' all_special_tokens: those tokenizer_config.json names, plus any given, as
+Megatron's FIM test gives the FIM tokens) and joins the rest with the file's decoder (`convert_tokens_to_string`).
+Where corpusforge's gigatoken engine gives the same ids it encodes instead (FIMTokenizer's docstring).
 
 Example:
     >>> fim = FIMDataset(train, FIMConfig(fim_rate=0.5, fim_spm_rate=0.5), FIMTokenizer("tok/tokenizer.json"))
