@@ -578,8 +578,13 @@ def prepare_train_cache(cfg: Any, dp_size: int = 1) -> CacheStats:
     valid = cfg.metrics.eval_batches * cfg.schedule.micro_batch_size * dp_size if cfg.metrics.eval_interval else 0
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.out_dir) / "index-cache")
     before = _listing(cache_dir)
-    build_gpt_datasets(cfg.data.path, seq_length=cfg.model.seq_length, split=cfg.data.split, seed=cfg.seed,
-                       num_samples=(train, valid, 0), cache_dir=cache_dir, storage=cfg.storage)  # fmt: skip
+    if cfg.data.curriculum:  # its phases' datasets and indices, as build_data builds them
+        from corpusforge.train.data import build_curriculum_splits
+
+        build_curriculum_splits(cfg, valid, str(cache_dir), {})
+    else:
+        build_gpt_datasets(cfg.data.path, seq_length=cfg.model.seq_length, split=cfg.data.split, seed=cfg.seed,
+                           num_samples=(train, valid, 0), cache_dir=cache_dir, storage=cfg.storage)  # fmt: skip
     wait_for_index_caches()
     after = _listing(cache_dir)
     new = [n for n in after if n not in before and not n.endswith(".lock")]

@@ -168,3 +168,17 @@ def test_each_mistake_is_one_line_naming_the_phase(phases, words):
 def test_what_a_curriculum_does_not_fit_is_refused(extra, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         load_config(None, [*BASE, *extra])
+
+
+def test_prepare_cache_builds_what_the_run_maps(corpora, tmp_path):
+    from corpusforge.data.prepare_cache import prepare_train_cache
+    from corpusforge.train.data import build_data
+
+    blend = f'data.path=["{corpora[0]}", 0.5, "{corpora[1]}", 0.5]'
+    phases = "data.curriculum=[{until_step=3, seq_length=16}, {}]"
+    cfg = load_config(None, [*BASE[:-1], blend, 'data.split="90,10,0"', f'out_dir="{tmp_path}"', phases])
+    assert prepare_train_cache(cfg).written_files > 0
+    before = sorted(p.name for p in (tmp_path / "index-cache").iterdir())
+    data = build_data(cfg, 0, 1)
+    assert sorted(p.name for p in (tmp_path / "index-cache").iterdir()) == before
+    assert not any(ds.built for ds in data.train.dataset.sources.values()) and not data.valid.dataset.built
