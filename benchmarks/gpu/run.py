@@ -14,9 +14,11 @@ that hangs cannot eat the others' time, and writes OUT_DIR/partN.json (common.py
     4  build-knn's k-means and list assignment, faiss GPU vs CPU        (skipped without a faiss that sees a GPU)
     5  the model embedder, bf16 on the GPU vs fp32 on the CPU: chunks/s
     6  async vs synchronous checkpoint of GPT-2 124M: seconds the loop blocks
+    7  parallel.offload none vs nvme on one GPU: Llama 3 1B and 3B tokens/s and MFU, the losses of both
 
 At the end: a table, and OUT_DIR/summary.json (machine, versions, commit, every part's status and headline).
-Everything the parts print goes to OUT_DIR/kit.log too. OUT_DIR holds at most 8 files (the GPU tool's limit).
+Everything the parts print goes to kit.log in the work directory too (a failed part's last lines are in its result).
+OUT_DIR holds at most 8 files (the GPU tool's limit): the parts' results and the summary.
 Exit status: 0 when every part is ok or skipped, 1 when one failed or ran out of time, 2 when the machine is unfit.
 """
 
@@ -44,12 +46,13 @@ PARTS = {
     4: ("part4_knn.py", "build-knn gpu"),
     5: ("part5_embed.py", "model embedder"),
     6: ("part6_checkpoint.py", "async checkpoint"),
+    7: ("part7_offload.py", "offload"),
 }
 # Run order: the data-path claim first, the cheap parts next, the optional compile-heavy ones last, so that a run
 # cut short by the budget loses the least.
-ORDER = (1, 6, 5, 4, 2, 3)
+ORDER = (1, 6, 5, 4, 7, 2, 3)
 # Seconds per part (full, smoke); the kit's budget caps them further.
-TIMEOUT = {1: (300, 240), 2: (200, 180), 3: (200, 180), 4: (200, 180), 5: (120, 180), 6: (120, 180)}
+TIMEOUT = {1: (300, 240), 2: (200, 180), 3: (200, 180), 4: (200, 180), 5: (120, 180), 6: (120, 180), 7: (240, 180)}
 MIN_START_S = 30  # a part is not started with less than this left in the budget
 
 
@@ -288,7 +291,7 @@ def main() -> int:
         print(json.dumps(probe()))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("out", type=Path, help="directory for partN.json, summary.json and kit.log")
+    p.add_argument("out", type=Path, help="directory for partN.json and summary.json")
     p.add_argument("--smoke", action="store_true", help="every part on CPU at toy sizes (CI)")
     p.add_argument(
         "--parts", default=",".join(map(str, ORDER)), help="which parts, in this order (default: %(default)s)"
@@ -306,7 +309,8 @@ def main() -> int:
         import tempfile
 
         args.work = Path(tempfile.mkdtemp(prefix="cf-gpu-kit-"))
-    log = Log(args.out / "kit.log")
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = Log(args.work / "kit.log")  # not in OUT_DIR: 7 results and the summary are the tool's 8 files
     env, code = code_environment()
     log(f"gpu kit: {'smoke (CPU, toy sizes)' if args.smoke else 'full'}; corpusforge code: {code}; work: {args.work}")
     facts = check_machine(args.smoke, env, log)
