@@ -125,7 +125,9 @@ class FIMConfig:
 class FIMTokenizer:
     """Decoding and encoding as Megatron's HuggingFaceTokenizer does them for FIM, from a tokenizer.json.
 
-    Decoding is `tokenizers`' own decode without special tokens. Encoding is `tokenizers`' encode (the reference),
+    Decoding drops the special tokens' ids (`special_tokens`: those transformers counts as special for the files,
+    plus those given) and joins the rest with the file's decoder: `tokenizers`' own, or for a ByteLevel file the
+    tokens' bytes (the same text, tested). Encoding is `tokenizers`' encode (the reference),
     or gigatoken's where corpusforge's tokenizer loader took it for this file (`engine="auto"`: only where it
     reproduced `tokenizers` on a probe set) and the text holds no added token's text (gigatoken reads those as
     text, Megatron's tokenizer matches them) and the file's post-processor adds no tokens: the same ids, ~100x
@@ -152,7 +154,9 @@ class FIMTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         added = json.loads(text).get("added_tokens") or []
-        self.special_tokens = tuple(dict.fromkeys([*_named_special_tokens(path.parent), *special_tokens]))
+        # a token the config names but the vocabulary lacks is one transformers would add: no id of the data has it
+        named = [t for t in _named_special_tokens(path.parent) if self._tok.token_to_id(t) is not None]
+        self.special_tokens = tuple(dict.fromkeys([*named, *special_tokens]))
         self.special_ids = frozenset(self.token_id(t) for t in self.special_tokens)
         self._added_texts = tuple(t["content"] for t in added)
         self._fast = self._fast_encoder(path, engine)

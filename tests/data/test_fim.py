@@ -223,6 +223,16 @@ def test_bad_options_and_tokenizers_are_one_line_errors(corpus, tokenizer, tmp_p
     bounded = build_gpt_datasets(corpus, 64, META["split"], 1, (8, None, None), document_boundaries=True)[0]
     with pytest.raises(ArgumentError, match="turn document_boundaries off"):
         FIMDataset(bounded, FIMConfig(), tokenizer)
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "tokenizer.json").write_bytes((REFERENCE / "tokenizer" / "tokenizer.json").read_bytes())
+    (named / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "unk_token": "<unk>"}))
+    assert FIMTokenizer(named).special_tokens == ("<|endoftext|>",)  # <unk>: not in the vocabulary, no id has it
+    with pytest.raises(ArgumentError, match="no token '<nope>'"):
+        FIMTokenizer(named, special_tokens=["<nope>"])
+    (named / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ArgumentError, match="tokenizer_config.json: not readable JSON"):
+        FIMTokenizer(named)
     broken = tmp_path / "tokenizer.json"
     broken.write_text('{"model": ')
     with pytest.raises(ArgumentError, match="not a Hugging Face tokenizer.json") as e:
