@@ -102,7 +102,8 @@ def collate_rows(features: list[dict[str, Any]]) -> dict[str, Any]:
         base = getattr(first, "_base", None)
         if base is None or base.dim() != 2 or base.shape[0] != len(features):
             break
-        if any(f[key].data_ptr() != base[r].data_ptr() for r, f in enumerate(features)):
+        start, step = base.data_ptr(), base.stride(0) * base.element_size()  # row r starts at start + r * step
+        if any(f[key].data_ptr() != start + r * step or f[key]._base is not base for r, f in enumerate(features)):
             break
         out[key] = base
     else:
