@@ -283,3 +283,23 @@ def test_byte_level_decoding_equals_tokenizers_on_any_ids(reference, tokenizer):
     tokens = reference["corpus/tokens"]
     for start in range(0, len(tokens) - 300, 211):
         assert tokenizer.decode(tokens[start : start + 300]) == slow.decode(tokens[start : start + 300])
+
+
+def test_a_resumed_loader_gives_the_uninterrupted_samples(corpus, tokenizer):
+    """rng="sample": a loader stopped after 3 batches and resumed from its state (on another world size too) serves
+    what the uninterrupted one serves."""
+    ds = fim_dataset(corpus, tokenizer, "split", "sample")
+    whole = [b["tokens"].numpy() for _, b in zip(range(6), make_loader(ds, micro_batch_size=4))]
+    first = make_loader(ds, micro_batch_size=4)
+    for _, _b in zip(range(3), first):
+        pass
+    state = first.state_dict()
+    resumed = make_loader(fim_dataset(corpus, tokenizer, "split", "sample"), micro_batch_size=4)
+    resumed.load_state_dict(state)
+    rest = [b["tokens"].numpy() for _, b in zip(range(3), resumed)]
+    np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(whole[3:]))
+    halves = [make_loader(ds, micro_batch_size=2, dp_rank=r, dp_world_size=2) for r in (0, 1)]
+    for loader in halves:
+        loader.load_state_dict({**state})
+    step = [next(iter(loader))["tokens"].numpy() for loader in halves]
+    np.testing.assert_array_equal(np.concatenate(step), whole[3])
