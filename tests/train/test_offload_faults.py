@@ -172,3 +172,22 @@ def test_a_full_offload_dir_is_one_line(tmp_path, tmpfs):
     with pytest.raises(OffloadError) as e:  # past the check (as when another job fills the disk meanwhile)
         nvme(torch.nn.Linear(512, 512), full / "rank_00000")
     assert str(e.value).startswith(f"{full / 'rank_00000'}: offload_dir has") and "\n" not in str(e.value)
+
+
+def test_dry_run_shows_bytes_per_rank_for_each_placement(tmp_path):
+    """Per rank: the none placement keeps 16 B per parameter on the device, cpu moves them to host memory, nvme keeps
+    weights and gradients (8 B) on the device and 12 B (padded to 4 KiB runs) on disk; FSDP2 over 2 ranks halves
+    them; the chosen one is marked."""
+    prefix = write_markov_corpus(tmp_path / "markov", num_docs=40)
+    lines: list[str] = []
+    extra = {"parallel.offload": '"nvme"', "parallel.dp_shard": 2}
+    report = train(load_config(None, tiny_overrides(prefix, tmp_path / "run", **extra)), dry_run=True,
+                   log=lines.append, world_size=2)  # fmt: skip
+    shard = report["params"] // 2
+    got = report["offload_bytes"]
+    assert got["none"] == {"device": 16 * shard, "host": 0, "disk": 0}
+    assert got["cpu"] == {"device": 0, "host": 16 * shard, "disk": 0}
+    assert got["nvme"]["device"] == 8 * shard and 12 * shard < got["nvme"]["disk"] < 12 * shard + 3 * 4096 * 2
+    assert any(line.startswith("  offload nvme (chosen): per rank device") for line in lines)
+    assert sum("offload " in line and "per rank" in line for line in lines) == 3
+    assert not (tmp_path / "run" / "offload").exists()  # a dry run makes no files
