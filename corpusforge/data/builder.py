@@ -113,10 +113,23 @@ def build_gpt_datasets(
     cache = IndexCache(cache_dir)
     with completing_after():  # the cache entries' fsyncs start once every split is built, not between them
         if len(prefixes) == 1 and weights is None:
-            return tuple(_splits_of(indexed[0], sizes, config, cache))  # type: ignore[return-value]
-        if weights is not None:
-            return _weighted_blend(indexed, normalize(weights), sizes, config, cache)
-        return _length_blend(indexed, sizes, config, cache)
+            out = tuple(_splits_of(indexed[0], sizes, config, cache))
+        elif weights is not None:
+            out = _weighted_blend(indexed, normalize(weights), sizes, config, cache)
+        else:
+            out = _length_blend(indexed, sizes, config, cache)
+    if storage is not None and storage.local_cache_dir is not None and storage.local_cache_staging == "background":
+        _start_staging(indexed, out[0], storage)
+    return out  # type: ignore[return-value]
+
+
+def _start_staging(indexed: list[IndexedDataset], train: Dataset | None, storage: StorageConfig) -> None:
+    """Stage the blend to local disk in the order its train split first reads the datasets (storage/stage.py)."""
+    from corpusforge.storage.stage import first_use_order, start_staging
+
+    dataset_index = getattr(train, "dataset_index", None)
+    order = list(range(len(indexed))) if dataset_index is None else first_use_order(dataset_index, len(indexed))
+    start_staging(indexed, order, storage)
 
 
 def _weighted_blend(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 READ_MODES = ("auto", "pread", "direct", "mmap", "mmap-random")
+LOCAL_CACHE_STAGING = ("at-open", "background")
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -56,6 +57,13 @@ class StorageConfig:
     local_cache_max_bytes: int | None = None
     """Size cap of local_cache_dir; least-recently-used datasets are evicted to stay under it (None: no cap)."""
 
+    local_cache_staging: str = "at-open"
+    """How datasets reach local_cache_dir: "at-open" (each is copied when it is opened, so training starts once the
+    whole blend is local), or "background" (each is opened from its source and read from there; one process per
+    node copies the blend into the local cache, in the order the blend first reads its datasets, and each dataset is
+    read from its copy from the first read after the copy is complete and verified; progress in
+    local_cache_dir/stage-*.json; storage/stage.py)."""
+
     verify_sha256: bool = False
     """Re-hash a local-cache copy against the sha256 recorded at copy time each time it is opened (O(size))."""
 
@@ -67,6 +75,8 @@ class StorageConfig:
     and the local cache tier are opened per process)."""
 
     def __post_init__(self) -> None:
+        if self.local_cache_staging not in LOCAL_CACHE_STAGING:
+            raise ValueError(f"local_cache_staging {self.local_cache_staging!r}: choose one of {LOCAL_CACHE_STAGING}")
         if self.read_mode not in READ_MODES:
             raise ValueError(f"read_mode {self.read_mode!r}: choose one of {READ_MODES}")
         if self.local_cache_max_bytes is not None and self.local_cache_max_bytes < 1:

@@ -61,6 +61,12 @@ def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig |
     """
     config = config or StorageConfig()
     texts = [os.fspath(p).removeprefix("file://") for p in prefixes]
+    if config.local_cache_dir is not None and config.local_cache_staging == "background":
+        from corpusforge.storage.stage import wrap_for_staging  # storage.stage imports this module's neighbours
+
+        datasets = open_datasets(texts, replace(config, local_cache_dir=None))  # from the source until staged
+        wrap_for_staging(datasets, config)
+        return datasets
     if config.node_share_dir is not None and config.local_cache_dir is None and not any(map(is_url, texts)):
         return open_shared(texts, config, open_datasets)  # one process of the node reads; the others map its share
     grouped = config.read_mode == "auto" and config.local_cache_dir is None and len(texts) >= SMALL_GROUP_MIN

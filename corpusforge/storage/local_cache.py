@@ -96,6 +96,25 @@ class LocalCache:
             pin = ReaderPin(self.directory / f"{key}.readers")
         return str(final / name), pin
 
+    def pin_if_complete(self, source: str, sizes: Mapping[str, int]) -> tuple[str, ReaderPin] | None:
+        """The local prefix of a complete copy of `source` whose files have `sizes` ({"bin": n, "idx": m}, what the
+        caller read from the source) and a pin on it, or None where there is none yet or it is being copied or
+        evicted right now (its lock is held): never copies, never waits, never touches the source (staging's
+        readers ask this while training reads the source).
+
+        Example:
+            >>> found = LocalCache("/nvme/cf").pin_if_complete("/cephfs/a_text_document", {"bin": 40960, "idx": 2042})
+        """
+        key, name = self.key(source), source.rstrip("/").rsplit("/", 1)[-1]
+        final = self.directory / key
+        if not (final / "meta.json").is_file():
+            return None
+        with _flock(self.directory / f"{key}.lock", blocking=False) as held:
+            if not held or not self._complete(final, name, sizes):
+                return None
+            Path(self.directory / f"{key}.used").touch()
+            return str(final / name), ReaderPin(self.directory / f"{key}.readers")
+
     def _source_sizes(self, source: str) -> dict[str, int]:
         if is_url(source):
             fs = filesystem(source, self.storage_options)
