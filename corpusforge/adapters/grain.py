@@ -120,9 +120,11 @@ def grain_loader(
     """A `grain.python.DataLoader` giving `source`'s micro-batches in order (dicts of (B, ...) numpy arrays), with
     any number of worker processes; `options` go to the DataLoader (worker_buffer_size, ...).
 
-    `read_options` defaults to 2 reading threads and 8 micro-batches read ahead: Grain's own default (16 threads,
-    500 records ahead) polls its whole read-ahead buffer on every record, which cost ~4x corpusforge's loader per
-    sample here with micro-batch records (benchmarks/bench_adapters_grain.py).
+    `read_options` defaults to reading in the calling thread (read ahead in worker processes, with worker_count, as
+    corpusforge's own loader does): Grain's default (16 threads, 500 records ahead) polls its whole read-ahead
+    buffer on every record, 7x corpusforge's loader's time per sample here, and 2 threads cost 2x on this loaded
+    2-core machine (benchmarks/bench_adapters_grain.py, 2026-11-28). Pass ReadOptions with threads for storage
+    with latency.
 
     Example:
         >>> it = iter(grain_loader(GrainSource(train, micro_batch_size=8), worker_count=2))
@@ -132,21 +134,23 @@ def grain_loader(
     sampler = grain.IndexSampler(
         num_records=len(batches), shard_options=grain.NoSharding(), shuffle=False, num_epochs=num_epochs, seed=0
     )
-    read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+    read_options = read_options or grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     return grain.DataLoader(
         data_source=batches, sampler=sampler, worker_count=worker_count, read_options=read_options, **options
     )
 
 
 def grain_dataset(source: GrainSource, per_sample: bool = False) -> Any:
-    """`source`'s micro-batches as a Grain `MapDataset` (iterate it with `.to_iter_dataset()`, whose iterator's
-    get_state()/set_state() checkpoint it): records that are micro-batches, each read with one gather; with
-    per_sample, Grain's `.batch` over the sample records (`grain.MapDataset.source(source).batch(...)`, for
-    pipelines that transform samples first), which reads one sample per call: Grain 0.2.18 does not pass a batch's
-    indices to the source at once (its batch pushdown is off), ~3x the time per sample here.
+    """`source`'s micro-batches as a Grain `MapDataset` (iterate it with `.to_iter_dataset(read_options)`, whose
+    iterator's get_state()/set_state() checkpoint it; pass read options as grain_loader does rather than Grain's
+    default): records that are micro-batches, each read with one gather; with per_sample, Grain's `.batch` over the
+    sample records (`grain.MapDataset.source(source).batch(...)`, for pipelines that transform samples first),
+    which reads one sample per call: Grain 0.2.18 does not pass a batch's indices to the source at once (its batch
+    pushdown is off), 4x corpusforge's loader's time per sample here.
 
     Example:
-        >>> it = iter(grain_dataset(GrainSource(train, micro_batch_size=8)).to_iter_dataset())
+        >>> options = grain.python.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        >>> it = iter(grain_dataset(GrainSource(train, micro_batch_size=8)).to_iter_dataset(options))
     """
     grain = _grain()
     if per_sample:

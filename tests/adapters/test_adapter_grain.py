@@ -60,22 +60,33 @@ def test_grain_batches_are_corpusforge_loaders(data, kind):
 
 
 def test_state_restored_in_process_continues_and_other_layouts_are_refused(data):
-    """A DataLoader state restored into a new iterator continues with the next batch; Grain itself refuses the state
-    for a source over other data (another seed) or another rank layout, since the source's repr names both."""
+    """A DataLoader state, and a state of the iterator of a MapDataset batching sample records, restored into new
+    iterators continue with the next batch; Grain itself refuses the DataLoader state for a source over other data
+    (another seed) or another rank layout, since the source's repr names both."""
     train = build_train(data)
+    theirs = corpusforge_batches(train, 2, 1, 2)
     source = GrainSource(train, 2, 1, 2)
     it = iter(grain_loader(source))
     for _ in range(4):
         next(it)
     state = it.get_state()
-    expected = next(it)
     again = iter(grain_loader(GrainSource(train, 2, 1, 2)))
     again.set_state(state)
-    assert_same([next(again)], [expected])
-    for other in (GrainSource(build_train(data, seed=7), 2, 1, 2), GrainSource(train, 2, 0, 2), GrainSource(train, 4)):
-        refused = iter(grain_loader(other))
-        with pytest.raises(ValueError, match="does not match"):
-            refused.set_state(state)
+    assert_same([next(again)], theirs[4:5])
+    samples = iter(grain_dataset(source, per_sample=True).to_iter_dataset())
+    for _ in range(5):
+        next(samples)
+    restored = iter(grain_dataset(GrainSource(train, 2, 1, 2), per_sample=True).to_iter_dataset())
+    restored.set_state(samples.get_state())
+    assert_same([next(restored)], theirs[5:6])
+    others = {"DataSource in checkpoint does not match": [GrainSource(build_train(data, seed=7), 2, 1, 2),
+                                                         GrainSource(train, 2, 0, 2)],
+              "Sampler in checkpoint does not match": [GrainSource(train, 4)]}  # fmt: skip
+    for message, sources in others.items():
+        for other in sources:
+            refused = iter(grain_loader(other))
+            with pytest.raises(ValueError, match=message):
+                refused.set_state(state)
 
 
 def test_record_out_of_range_names_the_source(data):
@@ -103,22 +114,14 @@ def kill_after_state(job: subprocess.Popen, state: Path, timeout: float = 120) -
 
 @pytest.mark.slow
 def test_killed_process_resumed_from_grain_state_gives_the_next_batches(data, tmp_path):
-    """Rank 1 of 2 through Grain's DataLoader with 2 worker processes, and through the iterator of a MapDataset
-    batching sample records: SIGKILLed
-    after saving the iterator state at batch 3, a new process restores it and takes batches 3..6 of corpusforge's
-    own loader for that rank (the killed one had read ahead: its workers prefetch, it kept iterating)."""
+    """Rank 1 of 2 through Grain's DataLoader with 2 worker processes: SIGKILLed (with its workers) after saving the
+    iterator state at batch 3, while it reads on, a new process restores the state and takes batches 3..6 of
+    corpusforge's own loader for that rank."""
     theirs = corpusforge_batches(build_train(data), 2, 1, 2)
-    common = ["--data", data, "--rank", "1", "--world", "2", "--mbs", "2"]
-    kinds = {"loader": ["--kind", "loader", "--workers", "2"], "dataset": ["--kind", "dataset"]}
-    jobs = {k: run_job([*common, *a, "--save-at", "3", "--state-out", str(tmp_path / k)]) for k, a in kinds.items()}
-    for kind, job in jobs.items():
-        kill_after_state(job, tmp_path / kind)
-    resumed = {}
-    for kind, extra in kinds.items():
-        out = tmp_path / f"{kind}.npz"
-        resumed[kind] = (run_job([*common, *extra, "--state-in", str(tmp_path / kind), "--steps", "4", "--out",
-                                  str(out)]), out)  # fmt: skip
-    for job, out in resumed.values():
-        assert job.wait(timeout=120) == 0, job.communicate()[0][-3000:]
-        got = dict(np.load(out))
-        assert_same([{k: v[i] for k, v in got.items()} for i in range(4)], theirs[3:7])
+    common = ["--data", data, "--rank", "1", "--world", "2", "--mbs", "2", "--kind", "loader", "--workers", "2"]
+    state, out = tmp_path / "state", tmp_path / "batches.npz"
+    kill_after_state(run_job([*common, "--save-at", "3", "--state-out", str(state)]), state)
+    job = run_job([*common, "--state-in", str(state), "--steps", "4", "--out", str(out)])
+    assert job.wait(timeout=120) == 0, job.communicate()[0][-3000:]
+    got = dict(np.load(out))
+    assert_same([{k: v[i] for k, v in got.items()} for i in range(4)], theirs[3:7])
