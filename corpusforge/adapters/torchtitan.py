@@ -169,7 +169,9 @@ def to_torchtitan(batch: dict[str, torch.Tensor], positions: bool = False) -> tu
     Example:
         >>> inputs, labels = to_torchtitan(next(iter(loader)))
     """
-    labels = batch["labels"].long().masked_fill_(batch["loss_mask"] == 0, IGNORE_INDEX)
+    labels, loss_mask = batch["labels"].long(), batch["loss_mask"]
+    if float(loss_mask.min()) == 0:  # a reduction costs a fifth of the comparison, which most batches then skip
+        labels.masked_fill_(loss_mask.logical_not(), IGNORE_INDEX)
     inputs = {"input": batch["tokens"].long()}
     if positions:
         inputs["positions"] = batch["position_ids"].long()
