@@ -3,6 +3,7 @@ Megatron-LM's own GPTFIMDataset (and its plain GPTDataset) on the same data, in 
 
     python benchmarks/bench_fim.py [--docs 1500] [--seq-length 2048] [--ids 200] [--rounds 5]
                                    [--mirror /work/.mirror/NVIDIA+Megatron-LM/repo] [--out FILE]
+    python benchmarks/bench_fim.py --loader [--loader-batches 100] [--rounds 5]     (fim-loader-<date>.json)
 
 Data: the code-like generated "repositories" of benchmarks/megatron_fim_reference.py, longer (3-12 files of up to
 20 lines each, ~1,000-3,000 tokens a document), tokenized with the stored tokenizer of the FIM tests
@@ -14,6 +15,9 @@ Per sample `ds[i]` for the same seeded random ids on every side (Megatron reads 
 corpusforge also `get_batch` of 8 ids (what its loaders call). Rounds alternate the order of the sides; medians of
 the rounds, wall and CPU time of the process (single-threaded work: CPU time leaves out waiting for a core), with the
 load average before each round. Writes benchmarks/results/fim-<date>.json.
+
+--loader: plain and FIM samples (Megatron's defaults, rng="sample") through make_loader with 2 DataLoader workers,
+micro-batches of 8, alternating rounds: samples/s, and CPU time a sample of the process and its workers.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 import megatron_fim_reference as ref  # noqa: E402
 from bench_loader import machine_info  # noqa: E402
 
-from corpusforge.data import build_gpt_datasets  # noqa: E402
+from corpusforge.data import build_gpt_datasets, make_loader  # noqa: E402
 from corpusforge.data.fim import FIMConfig, FIMDataset, FIMTokenizer  # noqa: E402
 from corpusforge.indexed import IndexedDatasetWriter  # noqa: E402
 
@@ -90,6 +94,51 @@ def timed(fn, ds, ids: list[int]) -> tuple[float, float]:
     return (time.perf_counter() - t0) / len(ids) * 1e6, (time.process_time() - c0) / len(ids) * 1e6
 
 
+def through_loader(ds, batches: int) -> tuple[float, float]:
+    """(samples/s wall, CPU us a sample of this process and its workers) of `batches` micro-batches of 8 through
+    make_loader with 2 workers, after 4 batches of start-up; the workers' CPU time is counted once they have exited."""
+    import gc
+    import resource
+
+    it = iter(make_loader(ds, micro_batch_size=BATCH, num_workers=2))
+    for _ in range(4):
+        next(it)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(batches):
+        next(it)
+    wall = time.perf_counter() - t0
+    del it
+    gc.collect()  # the iterator's workers exit: their CPU time is in RUSAGE_CHILDREN from then on
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = time.process_time() - c0 + (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
+    n = batches * BATCH
+    return n / wall, cpu / n * 1e6
+
+
+def loader_run(args, plain, fim_tok, out: Path) -> None:
+    """--loader: plain and FIM (Megatron's defaults, rng="sample") samples through the loader, alternating."""
+    sides = {"plain": plain, "fim default": FIMDataset(plain, FIMConfig(**SETTINGS["default"]), fim_tok)}
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    load = []
+    for r in range(args.rounds):
+        load.append(round(os.getloadavg()[0], 2))
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            runs[name].append(tuple(round(x, 1) for x in through_loader(sides[name], args.loader_batches)))
+        print(f"round {r + 1} (load {load[-1]}): {runs}", flush=True)
+    med = {k: {"samples_per_s": statistics.median(x for x, _ in v), "cpu_us_per_sample": statistics.median(
+        c for _, c in v)} for k, v in runs.items()}  # fmt: skip
+    report = {"benchmark": "fim-loader", "machine": machine_info(), "load_average_per_round": load,
+              "config": {"tokens_per_sample": args.seq_length, "micro_batch_size": BATCH, "num_workers": 2,
+                         "batches": args.loader_batches, "rounds": args.rounds, "fim": SETTINGS["default"]},
+              "median": med, "runs": runs}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    for k, v in med.items():
+        print(f"  {k:12s} {v['samples_per_s']:9.0f} samples/s   {v['cpu_us_per_sample']:8.1f} CPU us/sample")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=1500)
@@ -98,18 +147,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mirror", type=Path, default=ref.MIRROR)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--loader", action="store_true", help="plain and FIM samples through make_loader, 2 workers")
+    ap.add_argument("--loader-batches", type=int, default=100)
     args = ap.parse_args()
-    out = args.out or HERE / "results" / f"fim-{dt.datetime.now(dt.UTC):%Y-%m-%d}.json"
+    kind = "fim-loader" if args.loader else "fim"
+    out = args.out or HERE / "results" / f"{kind}-{dt.datetime.now(dt.UTC):%Y-%m-%d}.json"
     seq = args.seq_length
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         prefix = work / "fim_bench_text_document"
         tokens = write_corpus(prefix, args.docs)
         samples = tokens // seq - 2
+        if args.loader:  # more than one epoch where the loader reads more than the corpus holds
+            samples = max(samples, (args.loader_batches + 16) * BATCH)
         fim_tok = FIMTokenizer(TOKENIZER)
         eod, pad = fim_tok.token_id(ref.EOD), fim_tok.token_id(ref.PAD)
         plain = build_gpt_datasets(str(prefix), seq, "100,0,0", ref.SEED, (samples, None, None),
                                    eod_token_id=eod, pad_token_id=pad)[0]  # fmt: skip
+        if args.loader:
+            return loader_run(args, plain, fim_tok, out)
         commit = ref.subprocess.run(["git", "-C", str(args.mirror), "rev-parse", "HEAD"], check=True,
                                     capture_output=True, text=True).stdout.strip()  # fmt: skip
         classes = ref.megatron_fim_classes(args.mirror, commit, work)
