@@ -178,6 +178,32 @@ def count_ops(strace_dir: Path, ranks: list[dict], roots: list[str]) -> dict:
     return out
 
 
+def op_costs(where: str, root: Path, blend: list, ceph) -> dict:
+    """What one metadata operation costs here, cold: a stat of each .bin, then an open + read + close of each .idx
+    (after the caches are dropped again), one process, in the blend's order; milliseconds per operation."""
+    prefixes = blend[0::2]
+    out = {}
+    for name, op in (("stat_ms", _stat_bin), ("open_read_close_ms", _read_idx)):
+        drop_caches(root, Path(prefixes[0]).parent)
+        if where == "cephfs":
+            drop_cephfs_client_caches(ceph)
+        t0 = time.perf_counter()
+        for prefix in prefixes:
+            op(prefix)
+        out[name] = round(1000 * (time.perf_counter() - t0) / len(prefixes), 4)
+    return out
+
+
+def _stat_bin(prefix: str) -> None:
+    os.stat(f"{prefix}.bin")
+
+
+def _read_idx(prefix: str) -> None:
+    fd = os.open(f"{prefix}.idx", os.O_RDONLY)
+    os.read(fd, 1 << 20)
+    os.close(fd)
+
+
 def one_run(args, ceph, side: str, where: str, cache: str, roots: dict, blends: dict, count: bool) -> dict:
     root = roots[where]
     cache_dir = root / f"cache-{side}"
@@ -226,6 +252,7 @@ def main() -> None:
     ap.add_argument("--sides", default="megatron,corpusforge,corpusforge-noshare")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--count-ops", action="store_true", help="one more untimed run per side and place under strace")
+    ap.add_argument("--count-caches", default=None, help="cache states of the counted runs (default: --caches)")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "blend")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -241,6 +268,8 @@ def main() -> None:
     roots, blends = {"local": local_root}, {"local": blend_list(prefixes)}
     ceph = None
     runs: list[dict] = []
+    counted: list[dict] = []
+    costs: dict = {}
     tmp = Path(tempfile.mkdtemp(prefix="ceph-", dir="/tmp"))
     try:
         if "cephfs" in wheres:
@@ -254,16 +283,17 @@ def main() -> None:
             )
             blends["cephfs"] = blend_list([str(roots["cephfs"] / "blend" / Path(p).name) for p in prefixes])
             print(f"copied the blend to CephFS in {time.perf_counter() - t0:.1f} s", flush=True)
+        costs = {where: op_costs(where, roots[where], blends[where], ceph) for where in wheres}
+        print(f"cold metadata operations: {json.dumps(costs)}", flush=True)
         for r in range(args.rounds):
             for where in wheres:
                 for cache in caches:
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         runs.append(one_run(args, ceph, side, where, cache, roots, blends, count=False))
                         print(json.dumps(runs[-1]), flush=True)
-        counted = []
         if args.count_ops:
             for where in wheres:
-                for cache in caches:
+                for cache in (args.count_caches or args.caches).split(","):
                     for side in sides:
                         counted.append(one_run(args, ceph, side, where, cache, roots, blends, count=True))
                         print(json.dumps(counted[-1]), flush=True)
@@ -276,7 +306,7 @@ def main() -> None:
     report = {"benchmark": "time to first batch, one node", "date": date, "machine": machine,
               "config": {**{k: str(v) for k, v in vars(args).items()}, "micro_batch": MICRO_BATCH,
                          "seq_length": SEQ_LENGTH},
-              "medians": summary, "runs": runs, "counted_runs": counted}  # fmt: skip
+              "medians": summary, "cold_op_ms": costs, "runs": runs, "counted_runs": counted}  # fmt: skip
     out.write_text(json.dumps(report, indent=1) + "\n")
     print_table(summary)
     print(f"wrote {out}")
