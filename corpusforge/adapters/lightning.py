@@ -28,13 +28,11 @@ from corpusforge.errors import ArgumentError, MissingExtraError
 
 try:
     import lightning.pytorch as pl
-except ImportError:  # the standalone package names the same classes
-    try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
-    except ImportError:
-        raise MissingExtraError(
-            "corpusforge.adapters.lightning needs Lightning: pip install 'corpusforge[adapters]'"
-        ) from None
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+except ImportError:
+    raise MissingExtraError(
+        "corpusforge.adapters.lightning needs Lightning: pip install 'corpusforge[adapters]'"
+    ) from None
 
 
 class _TrainBatches:
@@ -95,8 +93,6 @@ class CorpusforgeDataModule(pl.LightningDataModule):
         self._restored: dict[str, Any] | None = None
 
     def setup(self, stage: str) -> None:
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
         if self.trainer is not None and is_overridden("on_before_batch_transfer", self.trainer.lightning_module):
             # Lightning would call the module's hook instead of ours, and the count behind resuming would stop
             raise ArgumentError(f"{type(self.trainer.lightning_module).__name__} overrides on_before_batch_transfer, "
