@@ -133,7 +133,7 @@ def test_not_built_on_rank_builds_nothing(tmp_path, corpora):
     "flag", ["mock_data", "sft", "fim_data", "train_data_path", "per_split_data_args_path", "hybrid_context_parallel"]
 )
 def test_options_it_does_not_build_are_refused(tmp_path, corpora, flag):
-    args = job.megatron_args(corpora, str(tmp_path), **{flag: True if flag != "train_data_path" else ["x"]})
+    args = job.megatron_args(corpora, str(tmp_path / "cache"), **{flag: True if flag != "train_data_path" else ["x"]})
     with pytest.raises(ArgumentError, match=f"--{flag.replace('_', '-')}"):
         build_datasets_from_args(args, [10, 0, 0], job.TOKENIZER)
     assert not (tmp_path / "cache").exists()
