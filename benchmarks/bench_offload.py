@@ -104,7 +104,7 @@ def train_figures(path: Path) -> dict[str, float]:
         subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, timeout=1200)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step_s"] for r in records if r.get("kind") == "train" and r["step"] > 1]
-        out[f"{offload}_step_s"] = statistics.median(steps)
+        out[f"train_{offload}_step_s"] = statistics.median(steps)
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
@@ -162,8 +162,11 @@ def main() -> None:
         **train,
     }
     summary["optimizer_step_overhead_x"] = summary["nvme_step_s"] / summary["memory_step_s"]
+    # the I/O engine alone against the disk's sequential figures (the time they give for equal reads and writes)
+    seq = 2 / (1 / summary["seq_read_mb_s"] + 1 / summary["seq_write_mb_s"])
+    summary["offload_pattern_vs_seq"] = summary["offload_pattern_mb_s"] / seq
     if train:
-        summary["train_step_overhead_x"] = train["nvme_step_s"] / train["none_step_s"]
+        summary["train_step_overhead_x"] = train["train_nvme_step_s"] / train["train_none_step_s"]
     for k, v in summary.items():
         print(f"  {k:<30} {v:.4g}" if isinstance(v, float) else f"  {k:<30} {v}")
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "io": runs[0]["disk"]["cache"],
