@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import grain.python as grain
+
 from corpusforge.adapters.grain import GrainSource, grain_dataset, grain_loader
 from corpusforge.data import build_gpt_datasets
 
@@ -32,7 +34,8 @@ def main(prefix: str) -> None:
     resumed.set_state(state)
     print(f"resumed from a {len(state)}-byte state: next batch same: {(next(resumed)['tokens'] == expected).all()}")
     # The same samples as a Grain MapDataset, batched by Grain (compose shuffles, maps, mixtures as with any source)
-    first = next(iter(grain_dataset(source).to_iter_dataset()))
+    no_threads = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # Grain's default polls 500 ahead
+    first = next(iter(grain_dataset(source).to_iter_dataset(no_threads)))
     same = (first["tokens"] == batches[0]["tokens"]).all()
     print(f"MapDataset: first batch {first['tokens'].shape}, equal to the DataLoader's: {same}")
 
