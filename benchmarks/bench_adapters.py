@@ -19,6 +19,11 @@ time; the ratios against the anchor are taken per round, then their median.
   hf-trainer           TrainerSamples in a DataLoader of 8 in order with collate_rows, the adapter's data_collator
   hf default collate   the same with transformers' default_data_collator (which copies every field)
   lightning            CorpusforgeDataModule.train_dataloader() and its on_before_batch_transfer count
+  grain loader         grain_loader(GrainSource(train, 8)): Grain's DataLoader over micro-batch records (numpy), with
+                       its default read options (no threads: all in this thread)
+  grain mapdataset     grain_dataset(source).to_iter_dataset() without read threads: the same records as a MapDataset
+  grain per sample     grain_dataset(source, per_sample=True): Grain's .batch over sample records, one read a sample
+  torchtitan           CorpusforgeDataLoader built as torchtitan's Trainer builds it: int64 inputs, labels masked
 
 Cases are a list of Case(name, make, tokens); another adapter adds its own to CASES. Every case's first batches
 are checked equal to the anchor's. The target (issue 31): within 10% per sample of corpusforge's loader.
@@ -139,6 +144,26 @@ def widened(s: Setup) -> Iterable[Any]:
         yield {k: v.long() if k in ("tokens", "labels", "position_ids") else v for k, v in batch.items()}
 
 
+def grain_case(s: Setup, kind: str) -> Iterable[Any]:
+    import grain.python as grain
+
+    from corpusforge.adapters.grain import GrainSource, grain_dataset, grain_loader
+
+    source = GrainSource(s.train, BATCH)
+    if kind == "loader":
+        return grain_loader(source)
+    no_threads = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # thread_time sees all the work
+    return grain_dataset(source, per_sample=kind == "per sample").to_iter_dataset(no_threads)
+
+
+def torchtitan(s: Setup) -> Iterable[Any]:
+    from corpusforge.adapters.torchtitan import CorpusforgeDataLoader
+
+    config = CorpusforgeDataLoader.Config(blend=[s.prefix], split=bench.SPLIT, seed=bench.SEED, num_samples=s.samples,
+                                          cache_dir=str(s.cache), eod_token_id=bench.EOD)  # fmt: skip
+    return config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=s.seq_length, local_batch_size=BATCH)
+
+
 CASES: list[Case] = [
     Case("corpusforge", lambda s: make_loader(s.train, BATCH)),
     Case("corpusforge int64", widened),
@@ -147,7 +172,10 @@ CASES: list[Case] = [
     Case("hf-trainer", hf_trainer, lambda batch: batch["input_ids"].numpy()),
     Case("hf default collate", lambda s: hf_trainer(s, True), lambda batch: batch["input_ids"].numpy()),
     Case("lightning", lightning),
-]
+    *(Case(f"grain {kind}", lambda s, kind=kind: grain_case(s, kind), lambda batch: batch["tokens"])
+      for kind in ("loader", "mapdataset", "per sample")),
+    Case("torchtitan", torchtitan, lambda batch: batch[0]["input"].numpy()),
+]  # fmt: skip
 
 
 def timed(case: Case, setup: Setup, batches: int) -> tuple[float, float]:
@@ -208,7 +236,7 @@ def main() -> None:
     cost = cost_of(cpu)
     machine = bench.machine_info()
     machine["adapter_packages"] = {
-        n: importlib.metadata.version(n) for n in ("transformers", "lightning", "megatron-core")
+        n: importlib.metadata.version(n) for n in ("transformers", "lightning", "megatron-core", "grain", "torchtitan")
     }
     report = {
         "benchmark": "adapters",
