@@ -5,7 +5,8 @@
 
 bench_loader's generated dataset (uint16, ~2,000-token documents), its train split, warm page cache, one process
 (no workers), micro-batches of 8 samples of 2,048 tokens, the first --samples samples of rank 0 of 1, in rounds that
-alternate the order of the paths (medians of the rounds' wall and CPU time reported):
+alternate the order of the paths (medians of the rounds' wall and CPU time reported, and the median over rounds of
+each path's time against the anchor's in the same round):
 
   corpusforge                  make_loader(train, 8): the anchor, int32 torch tensors
   grain loader                 grain_loader(GrainSource(train, 8)), Grain's DataLoader over micro-batch records
@@ -129,8 +130,14 @@ def main() -> None:
         print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}/{cpu[k][-1]}" for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    cost = {k: round(v / med["corpusforge"] - 1, 4) for k, v in med.items() if k != "corpusforge"}
-    cost_cpu = {k: round(v / med_cpu["corpusforge"] - 1, 4) for k, v in med_cpu.items() if k != "corpusforge"}
+
+    def cost_of(per_round: dict[str, list[float]]) -> dict[str, float]:
+        """Median over rounds of each path's time / the anchor's in the same round (load drifts between rounds)."""
+        anchor = per_round["corpusforge"]
+        return {k: round(statistics.median(a / b - 1 for a, b in zip(v, anchor)), 4) for k, v in per_round.items()
+                if k != "corpusforge"}  # fmt: skip
+
+    cost, cost_cpu = cost_of(runs), cost_of(cpu)
     versions = bench.machine_info()
     versions["adapter_packages"] = {name: importlib.metadata.version(name) for name in ("grain", "torchtitan")}
     report = {
