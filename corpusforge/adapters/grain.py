@@ -122,9 +122,9 @@ def grain_loader(
 
     `read_options` defaults to reading in the calling thread (read ahead in worker processes, with worker_count, as
     corpusforge's own loader does): Grain's default (16 threads, 500 records ahead) polls its whole read-ahead
-    buffer on every record: 5x corpusforge's loader's CPU time per sample here, and 2 threads 2x, on a loaded 2-core
-    machine (benchmarks/bench_adapters_grain.py, 2026-11-28). Pass ReadOptions with threads for storage with
-    latency.
+    buffer on every record: 5-7x corpusforge's loader's CPU time per sample here, and 2 threads about 2x, on a
+    loaded 2-core machine (benchmarks/bench_adapters_grain.py, 2026-11-28). Pass ReadOptions with threads for
+    storage with latency.
 
     Example:
         >>> it = iter(grain_loader(GrainSource(train, micro_batch_size=8), worker_count=2))
@@ -146,7 +146,7 @@ def grain_dataset(source: GrainSource, per_sample: bool = False) -> Any:
     default): records that are micro-batches, each read with one gather; with per_sample, Grain's `.batch` over the
     sample records (`grain.MapDataset.source(source).batch(...)`, for pipelines that transform samples first),
     which reads one sample per call: Grain 0.2.18 does not pass a batch's indices to the source at once (its batch
-    pushdown is off): 3.5x corpusforge's loader's CPU time per sample here.
+    pushdown is off): 3-4x corpusforge's loader's CPU time per sample here.
 
     Example:
         >>> options = grain.python.ReadOptions(num_threads=0, prefetch_buffer_size=0)
