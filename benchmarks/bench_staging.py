@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--compute-ms", default="0,20")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--cases", default="cephfs-direct,local,cephfs-staged,local-cached")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "blend")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -139,6 +140,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ceph-", dir="/tmp"))
     scratch = Path(tempfile.mkdtemp(prefix="staging-", dir=args.work.parent))
     runs: list[dict] = []
+    wanted = args.cases.split(",")
     ceph = CephCluster.start(tmp, memstore_bytes=4 << 30)
     try:
         remote = ceph.cephfs_mount / "staging"
@@ -161,7 +163,12 @@ def main() -> None:
                 for name, where, staged in cases if r % 2 == 0 else cases[::-1]:
                     local_cache = scratch / "stage-cache"
                     shutil.rmtree(local_cache, ignore_errors=True)
-                    if name != "local-cached":  # local-cached: the blend in the page cache, as staged copies are
+                    if name not in wanted:
+                        continue
+                    if name == "local-cached":  # the blend read once into the page cache, as staged copies are
+                        for p in prefixes:
+                            Path(p + ".bin").read_bytes()
+                    else:
                         drop([args.work, remote], ceph)
                     spec = {"name": name, "blend": blends[where], "seconds": args.seconds, "compute_ms": compute,
                             "staged": staged, "cache": str(cache), "micro_batch": args.micro_batch,
