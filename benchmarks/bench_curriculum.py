@@ -9,7 +9,8 @@ against the same run without one, in the same process and rounds.
 Data: two of bench_loader's generated datasets (uint16, ~2,000-token documents), a 0.7/0.3 blend, warm page cache.
 
 Loader (one process, no workers, micro-batches of 8 units of seq_length tokens, sequential units as the sampler
-hands them out; us per unit = per seq_length tokens, median of the rounds, which alternate their order):
+hands them out; us per unit = per seq_length tokens, median of the rounds, which alternate their order; wall and CPU
+time of the Loader, CPU time of the dataset's __getitems__ alone; "paired": the median of the per-round ratios):
   blend                      the blend without a curriculum (build_gpt_datasets: BlendedDataset), the anchor
   curriculum same length     two phases of other weights at seq_length: the cost of the phase map, against blend
   blend quarter length       the blend at seq_length / 4, 4 samples a unit: what shorter samples cost by themselves
@@ -53,6 +54,15 @@ def read_units(ds, units: int, per_unit: int = 1) -> tuple[float, float]:
     for _ in zip(range(units // MICRO), loader):
         pass
     return (time.perf_counter() - t0) / units * 1e6, (time.process_time() - c0) / units * 1e6
+
+
+def read_direct(ds, units: int, per_unit: int = 1) -> float:
+    """CPU us per unit of `ds.__getitems__` over the same micro-batches (what the Loader calls, without it)."""
+    batch = MICRO * per_unit
+    c0 = time.process_time()
+    for lo in range(0, units * per_unit, batch):
+        ds.__getitems__(list(range(lo, lo + batch)))
+    return (time.process_time() - c0) / units * 1e6
 
 
 def loader_sets(prefixes: list[str], seq: int, units: int, cache: Path) -> dict[str, tuple]:
@@ -128,12 +138,14 @@ def main() -> None:
         read_units(ds, 4 * MICRO, per_unit)  # first calls are not throughput
     runs: dict[str, list[float]] = {k: [] for k in sets}
     cpu: dict[str, list[float]] = {k: [] for k in sets}
+    direct: dict[str, list[float]] = {k: [] for k in sets}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name in list(sets) if r % 2 == 0 else list(sets)[::-1]:
             wall, used = read_units(sets[name][0], args.units, sets[name][1])
             runs[name].append(round(wall, 2))
             cpu[name].append(round(used, 2))
+            direct[name].append(round(read_direct(sets[name][0], args.units, sets[name][1]), 2))
         load.append(os.getloadavg()[0])
         print(f"round {r + 1} (wall/cpu us): " + "  ".join(f"{k} {runs[k][-1]}/{cpu[k][-1]}" for k in runs), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -147,6 +159,16 @@ def main() -> None:
         }
 
     loader_cost, loader_cost_cpu = costs(med), costs(med_cpu)
+    # the same comparisons round by round (each pair read back to back), then their median: on a shared machine the
+    # CPU time of one series moves 2x between rounds, a pair much less
+    pairs = {"curriculum same length": "blend", "curriculum quarter length": "blend quarter length",
+             "blend quarter length": "blend"}  # fmt: skip
+    paired_cpu = {
+        k: round(statistics.median(a / b for a, b in zip(cpu[k], cpu[base])) - 1, 4) for k, base in pairs.items()
+    }
+    paired_direct = {
+        k: round(statistics.median(a / b for a, b in zip(direct[k], direct[base])) - 1, 4) for k, base in pairs.items()
+    }
     steps: dict[str, list[float]] = {}
     if args.steps:
         for r in range(args.step_rounds):
@@ -167,18 +189,29 @@ def main() -> None:
         "loader_median_cpu_us_per_unit": med_cpu,
         "loader_extra_time_per_token": loader_cost,
         "loader_extra_cpu_time_per_token": loader_cost_cpu,
+        "loader_extra_cpu_time_per_token_paired": paired_cpu,
+        "getitems_median_cpu_us_per_unit": {k: statistics.median(v) for k, v in direct.items()},
+        "getitems_extra_cpu_time_per_token_paired": paired_direct,
         "step_median_tokens_per_s": step_med,
         "loader_runs": runs,
         "loader_cpu_runs": cpu,
+        "getitems_cpu_runs": direct,
         "step_runs": steps,
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nloader, median of {args.rounds} rounds, us per unit of {args.seq_length} tokens (wall, CPU):")
     for k, v in med.items():
-        extra = f"   {loader_cost[k]:+.1%}, CPU {loader_cost_cpu[k]:+.1%}" if k in loader_cost else ""
+        extra = (
+            f"   {loader_cost[k]:+.1%}, CPU {loader_cost_cpu[k]:+.1%} (paired {paired_cpu[k]:+.1%})"
+            if k in pairs
+            else ""
+        )
         print(f"  {k:26s} {v:8.2f} {med_cpu[k]:8.2f}{extra}")
     print("  (curriculum: against the blend of the same samples without one; blend quarter length: against blend)")
+    print("__getitems__ alone, CPU us per unit, paired against the same anchors:")
+    for k, v in direct.items():
+        print(f"  {k:26s} {statistics.median(v):8.2f}" + (f"   {paired_direct[k]:+.1%}" if k in pairs else ""))
     if step_med:
         print("step (tiny GPT on CPU), median tokens/s:")
         for k, v in step_med.items():
