@@ -142,6 +142,13 @@ class DataSection:
     curriculum = [{until_step = 200, seq_length = 512, weights = [0.9, 0.1]}, {weights = [0.6, 0.4]}]
     (see corpusforge.data.curriculum)."""
 
+    fim: dict[str, Any] = field(default_factory=dict)
+    """Fill-in-the-middle as Megatron-LM's GPTFIMDataset (corpusforge.data.fim), sample for sample: a table of its
+    options with Megatron's names (fim_rate, fim_spm_rate, fim_split_sample, fim_fragment_rate, fim_no_prefix,
+    fim_prefix_token, ..., fim_eod_token; and rng = "sample" or "megatron"), and `tokenizer`, the Hugging Face
+    tokenizer directory (or tokenizer.json) the corpus was tokenized with, holding the FIM tokens. Empty: off. E.g.
+    fim = {tokenizer = "tok/", fim_rate = 0.5, fim_spm_rate = 0.5}."""
+
 
 @dataclass(frozen=True)
 class OptimizerSection:
@@ -666,6 +673,7 @@ def _check_values(cfg: TrainConfig) -> None:
     _check_retro(cfg.retro)
     _check_document_mask(cfg)
     _check_curriculum(cfg)
+    _check_fim(cfg)
 
 
 def _check_document_mask(cfg: TrainConfig) -> None:
@@ -678,6 +686,41 @@ def _check_document_mask(cfg: TrainConfig) -> None:
     if cfg.family == "retro":
         raise ConfigError("data.document_mask: RETRO does not train with document masks yet; set "
                           "data.document_mask=false", ["data.document_mask", "model.name"])  # fmt: skip
+
+
+def fim_config(cfg: TrainConfig) -> tuple[Any, str] | None:
+    """(FIMConfig, tokenizer path) of data.fim, or None when it is off; a bad option is one line naming it."""
+    if not cfg.data.fim:
+        return None
+    from corpusforge.data.fim import FIMConfig
+    from corpusforge.errors import CorpusforgeError
+
+    options = dict(cfg.data.fim)
+    tokenizer = options.pop("tokenizer", "")
+    if not isinstance(tokenizer, str) or not tokenizer:
+        raise ConfigError('data.fim: give the tokenizer the corpus was made with, e.g. data.fim = {tokenizer = "tok/", '
+                          "fim_rate = 0.5}", ["data.fim"])  # fmt: skip
+    known = [f.name for f in fields(FIMConfig)]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise ConfigError(f"data.fim: unknown option(s) {', '.join(unknown)}; Megatron-LM's are {', '.join(known)}",
+                          ["data.fim"])  # fmt: skip
+    try:
+        return FIMConfig(**{"seed": cfg.seed, **options}), tokenizer
+    except (CorpusforgeError, TypeError, ValueError) as e:
+        raise ConfigError(f"data.fim: {e}", ["data.fim"]) from None
+
+
+def _check_fim(cfg: TrainConfig) -> None:
+    """data.fim's options, and what fill-in-the-middle does not combine with."""
+    if fim_config(cfg) is None:
+        return
+    clash = [key for key, on in (("data.document_mask", cfg.data.document_mask), ("data.curriculum",
+             bool(cfg.data.curriculum)), ("data.source", cfg.data.source == "synthetic"),
+             ("model.name", cfg.family == "retro")) if on]  # fmt: skip
+    if clash:
+        raise ConfigError(f"data.fim: fill-in-the-middle rewrites each sample as one document of GPT tokens, which "
+                          f"{clash[0]} does not give; drop data.fim or {clash[0]}", ["data.fim", clash[0]])  # fmt: skip
 
 
 def _check_curriculum(cfg: TrainConfig) -> None:

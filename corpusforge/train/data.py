@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from corpusforge.errors import CorpusforgeError
-from corpusforge.train.config import ConfigError, TrainConfig
+from corpusforge.train.config import ConfigError, TrainConfig, fim_config
 
 
 class DataError(CorpusforgeError, ValueError):
@@ -96,6 +96,11 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
     cache_dir = cfg.data.cache_dir or str(Path(cfg.out_dir) / "index-cache")
 
     options = {"document_boundaries": True} if cfg.data.document_mask else {}  # off: today's batches
+    fim = fim_config(cfg)
+    if fim is not None:  # Megatron's GPTFIMDataset reads its samples with the tokenizer's eod and pad ids
+        tokenizer = _fim_tokenizer(fim[1])
+        options = {"eod_token_id": tokenizer.token_id(fim[0].fim_eod_token),
+                   "pad_token_id": tokenizer.token_id(fim[0].fim_pad_token)}  # fmt: skip
 
     def build():
         try:
@@ -121,7 +126,11 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
         train, valid, _ = agree(build if rank != 0 else lambda: first)  # then they map them; rank 0 has its own
     if train is None:
         raise DataError(f"split {cfg.data.split!r} gives the train split no data")
-    tokens = _split_tokens(train)
+    tokens, modes = _split_tokens(train), read_modes(train)
+    if fim is not None:
+        from corpusforge.data.fim import with_fim
+
+        train, valid = with_fim((train, valid), fim[0], tokenizer)
     if tokens < cfg.schedule.global_batch_tokens:
         raise DataError(
             f"{cfg.data.path}: the train split holds {tokens:,} tokens, fewer than one global batch of "
@@ -138,7 +147,7 @@ def build_data(cfg: TrainConfig, rank: int, world_size: int, agree=None, device:
     if cfg.metrics.eval_interval:
         valid_loader = make_loader(valid, cfg.schedule.micro_batch_size, rank, world_size, 0)
     curriculum = train.tokens() if cfg.data.curriculum else None
-    return TrainData(train_loader, valid_loader, train_samples, tokens, read_modes(train), curriculum=curriculum)
+    return TrainData(train_loader, valid_loader, train_samples, tokens, modes, curriculum=curriculum)
 
 
 def build_curriculum_splits(cfg: TrainConfig, valid_samples: int, cache_dir: str, options: dict[str, Any]) -> tuple:
@@ -176,6 +185,21 @@ def _cache_error(e: OSError, cache_dir: str) -> str:
             f"directory you can write, or build them beforehand with corpusforge prepare-cache"
         )
     return str(e)
+
+
+def _fim_tokenizer(path: str) -> Any:
+    """data.fim's tokenizer; one line when it cannot be read."""
+    from corpusforge.data.fim import FIMTokenizer
+    from corpusforge.errors import CorpusforgeError
+
+    try:
+        return FIMTokenizer(path)
+    except (OSError, ValueError, CorpusforgeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"data.fim: tokenizer {path}: {why}; give the Hugging Face tokenizer directory or "
+            "tokenizer.json the corpus was made with"
+        ) from None
 
 
 def _loader_options(cfg: TrainConfig) -> dict[str, Any]:
