@@ -103,3 +103,8 @@ def _open(path: Path, direct: bool) -> tuple[int, int, str]:
     fd = os.open(path, os.O_RDWR)
     io_fd, note = _open_direct(path, fd) if direct else (fd, "buffered")
     return fd, io_fd, note
+
+
+# runner.py's tables for this pattern, as patterns.PREPARE and MEASURE for the others
+PREPARE = {"offload": prepare_offload}
+MEASURE = {"offload": measure_offload}

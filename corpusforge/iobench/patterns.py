@@ -598,9 +598,3 @@ MEASURE = {
     "replay": measure_replay,
     "train": measure_train,
 }
-
-# the nvme optimizer step's pattern lives in its own module, which imports this one's Case, Beat and Phase
-from corpusforge.iobench import offload as _offload  # noqa: E402
-
-PREPARE["offload"] = _offload.prepare_offload
-MEASURE["offload"] = _offload.measure_offload

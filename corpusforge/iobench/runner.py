@@ -195,6 +195,8 @@ def _worker(case: patterns.Case, local: int, slot: int, times, phase_codes, barr
     beat = patterns.Beat(times, phase_codes, local, barrier)
     if is_url(case.root):
         from corpusforge.iobench import objstore as table
+    elif case.pattern == "offload":  # the nvme optimizer step's pattern: its own module, over patterns' Case and Beat
+        from corpusforge.iobench import offload as table
     else:
         table = patterns
     try:
