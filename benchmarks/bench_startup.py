@@ -19,9 +19,10 @@ client's capabilities and cached inodes (`ceph tell mds.a cache drop`).
 Times: from torchrun's launch to the last rank holding its first batch (what a job waits), and, inside the ranks,
 from after imports and init_process_group to the first batch (the data path alone). Metadata operations on the
 shared file system: the MDS's client requests during the run (`perf dump`, mds_server.handle_client_request), and,
-with --count-ops, a further untimed run per side under `strace -f -e trace=%file,close` counting each rank's system
-calls that name a path under the data or cache directory (open, stat, access, ...), so that what the leader and
-the others make can be told apart. Sides alternate order from round to round; medians; load average with every run.
+with --count-ops, a further untimed run per side under `strace -f -e trace=%file` counting each rank's system calls
+(its threads' included) that name a path under the data or cache directory (open, stat, access, ...), so that
+what the leader and the others make can be told apart. Sides alternate order from round to round; medians; load
+average with every run.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def launch(spec: dict, ranks: int, strace_dir: Path | None = None) -> tuple[floa
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                __file__, "--rank", str(spec_file)]  # fmt: skip
     if strace_dir is not None:
-        command = ["strace", "-f", "-ff", "-qq", "-e", "trace=%file", "-o", str(strace_dir / "t"), *command]
+        traced = "trace=%file,clone,clone3"  # clone: which thread belongs to which rank
+        command = ["strace", "-f", "-ff", "-qq", "-e", traced, "-o", str(strace_dir / "t"), *command]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     t0 = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
@@ -161,21 +163,33 @@ def launch(spec: dict, ranks: int, strace_dir: Path | None = None) -> tuple[floa
 
 
 def count_ops(strace_dir: Path, ranks: list[dict], roots: list[str]) -> dict:
-    """Per rank: the traced calls naming a path under `roots`, by system call and kind of file (".idx", ".bin",
-    ".npy", ".json", other: directories and locks)."""
+    """Per rank (its threads included: megatron-core builds on a thread pool): the traced calls naming a path under
+    `roots`, by system call and kind of file (".idx", ".bin", ".npy", ".json", other: directories and locks)."""
     pattern = re.compile(r"^(\w+)\(.*?\"((?:" + "|".join(re.escape(r) for r in roots) + r')[^"]*)"')
-    out = {}
-    for r in ranks:
-        calls: Counter = Counter()
-        trace = strace_dir / f"t.{r['pid']}"
-        if trace.exists():
-            for line in trace.read_text(errors="replace").splitlines():
-                m = pattern.match(line)
-                if m:
-                    kind = next((k for k in (".idx", ".bin", ".npy", ".json") if m.group(2).endswith(k)), "other")
-                    calls[f"{m.group(1)} {kind}"] += 1
-        out[r["rank"]] = dict(sorted(calls.items()))
-    return out
+    thread = re.compile(r"^clone3?\(.*CLONE_THREAD.*\)\s+=\s+(\d+)")
+    owner: dict[int, int] = {}  # thread id -> the thread that created it
+    for trace in strace_dir.glob("t.*"):
+        for line in trace.read_text(errors="replace").splitlines():
+            m = thread.match(line)
+            if m:
+                owner[int(m.group(1))] = int(trace.name[2:])
+
+    def process_of(tid: int) -> int:
+        while tid in owner:
+            tid = owner[tid]
+        return tid
+
+    calls: dict[int, Counter] = {r["pid"]: Counter() for r in ranks}
+    for trace in strace_dir.glob("t.*"):
+        pid = process_of(int(trace.name[2:]))
+        if pid not in calls:
+            continue
+        for line in trace.read_text(errors="replace").splitlines():
+            m = pattern.match(line)
+            if m:
+                kind = next((k for k in (".idx", ".bin", ".npy", ".json") if m.group(2).endswith(k)), "other")
+                calls[pid][f"{m.group(1)} {kind}"] += 1
+    return {r["rank"]: dict(sorted(calls[r["pid"]].items())) for r in ranks}
 
 
 def op_costs(where: str, root: Path, blend: list, ceph) -> dict:
