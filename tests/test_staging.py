@@ -74,6 +74,9 @@ def test_reads_the_source_until_staged_then_the_verified_copy_in_first_use_order
     assert wait_for_staging(timeout=60)
     assert np.array_equal(tokens(train), expected)
     assert all(r.local for r in readers)  # every read after staging went to the local copies
+    assert all(r.memory is not None for r in readers)  # samples gathered straight from the copies' maps
+    assert all(part._direct_args() is not None for part in train.datasets)  # and the datasets take that path
+    assert np.array_equal(tokens(train), expected)
     metas = [json.loads(p.read_text()) for p in local.glob("*/meta.json")]
     assert len(metas) == COUNT and all(set(m["sha256"]) == {"bin", "idx"} for m in metas)
     staged_order = [m["source"] for m in sorted(metas, key=lambda m: m["copied_at"])]

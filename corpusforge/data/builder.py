@@ -119,15 +119,23 @@ def build_gpt_datasets(
         else:
             out = _length_blend(indexed, sizes, config, cache)
     if storage is not None and storage.local_cache_dir is not None and storage.local_cache_staging == "background":
-        _start_staging(indexed, out[0], storage)
+        _start_staging(indexed, out, storage)
     return out  # type: ignore[return-value]
 
 
-def _start_staging(indexed: list[IndexedDataset], train: Dataset | None, storage: StorageConfig) -> None:
-    """Stage the blend to local disk in the order its train split first reads the datasets (storage/stage.py)."""
+def _start_staging(indexed: list[IndexedDataset], splits: tuple, storage: StorageConfig) -> None:
+    """Stage the blend to local disk in the order its train split first reads the datasets (storage/stage.py); each
+    staged reader knows the GPTDatasets over it, which it tells when it switches to its copy."""
+    import weakref
+
     from corpusforge.storage.stage import first_use_order, start_staging
 
-    dataset_index = getattr(train, "dataset_index", None)
+    for split in splits:
+        for part in getattr(split, "datasets", None) or ([split] if split is not None else []):
+            owners = getattr(part.indexed.reader, "owners", None)
+            if owners is not None:
+                owners.append(weakref.ref(part))
+    dataset_index = getattr(splits[0], "dataset_index", None)
     order = list(range(len(indexed))) if dataset_index is None else first_use_order(dataset_index, len(indexed))
     start_staging(indexed, order, storage)
 

@@ -23,6 +23,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,8 +46,9 @@ _THREADS: list[threading.Thread] = []
 
 class StagedBinReader(BinReader):
     """The .bin of a dataset being staged: read from `source_reader` until its local copy is complete and verified,
-    then from the copy (pinned against eviction). `memory` stays None: samples go through read_spans on both sides,
-    so that a dataset's readers never change kind under a loader that keeps per-dataset state.
+    then from the copy (pinned against eviction), memory-mapped: `memory` is then the copy's tokens, so samples are
+    gathered straight from the map as from any local dataset. The switch happens in read_spans, in the thread that
+    reads; `owners` (the GPTDatasets over this reader, registered by the builder) are told then (see _switched).
 
     Example:
         >>> reader = StagedBinReader(ds.reader, LocalCache("/nvme/cf-cache"), "/cephfs/a_text_document", idx_bytes)
@@ -60,10 +62,24 @@ class StagedBinReader(BinReader):
         self._source, self._local, self._pin = source_reader, None, None
         self._next_check = 0.0
         self.staged = threading.Event()  # set by this process's stager when the copy is complete
+        self.owners: list[weakref.ref] = []
 
-    def _current(self) -> BinReader:
-        if self._local is not None:
-            return self._local
+    @property
+    def memory(self) -> np.ndarray | None:  # type: ignore[override]
+        return None if self._local is None else self._local.memory
+
+    def _switched(self) -> None:
+        """GPTDataset remembers whether its reader has a memory map (its _direct_args cache, made at its first
+        batch, from the source): forget it, so that its next batch takes the memory-map path of the copy. Called
+        in the reading thread, between two batches of that dataset."""
+        for ref in self.owners:
+            owner = ref()
+            if owner is not None:
+                owner.__dict__.pop("_direct", None)
+
+    def _current(self, switch: bool = True) -> BinReader:
+        if self._local is not None or not switch:
+            return self._local or self._source
         now = time.monotonic()
         if self.staged.is_set() or now >= self._next_check:
             self._next_check = now + CHECK_EVERY_S
@@ -73,6 +89,7 @@ class StagedBinReader(BinReader):
                 self._local = LOCAL_READERS["mmap-random"](f"{path}.bin", self.dtype, "mmap-random",
                                                            "staged to local disk", self.nbytes)  # fmt: skip
                 self._source.close()
+                self._switched()
                 return self._local
         return self._source
 
@@ -85,7 +102,7 @@ class StagedBinReader(BinReader):
         return self._current().read_spans(starts, lengths)
 
     def prefetch_spans(self, starts: np.ndarray, lengths: np.ndarray) -> None:
-        self._current().prefetch_spans(starts, lengths)
+        self._current(switch=False).prefetch_spans(starts, lengths)
 
     def token_sample(self) -> tuple[np.ndarray, np.ndarray]:
         return self._source.token_sample()
@@ -95,7 +112,7 @@ class StagedBinReader(BinReader):
 
     def describe(self) -> str:
         where = "local copy" if self._local is not None else "source until staged"
-        return f"{self._current().describe()} [{where}]"
+        return f"{self._current(switch=False).describe()} [{where}]"
 
     def close(self) -> None:
         self._source.close()
