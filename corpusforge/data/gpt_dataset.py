@@ -958,6 +958,15 @@ class GPTDataset:
                 )
         _COMPILED.add(key)
 
+    def reader_changed(self) -> None:
+        """The token reader now reads elsewhere (storage/stage.py: a staged local copy): the next batch looks again
+        for its memory map, instead of the source's path it found at the first batch.
+
+        Example:
+            >>> ds.reader_changed()
+        """
+        self.__dict__.pop("_direct", None)
+
     def _direct_args(self) -> tuple | None:
         """The arguments of _gather for this dataset but the block, kept after the first call; None where
         samples are not copied from a memory map (pread, O_DIRECT, remote reads: the reader has no `memory`) or

@@ -119,12 +119,12 @@ def open_shared(
     path = share_path(prefixes, config)
     found = _map(path)
     if found is not None:  # the common case after the first: no lock, one open of a node-local file
-        return _datasets(path, found, config)
+        return _datasets(path, found, config, open_each)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _flock(Path(f"{path}.lock")):
         found = _map(path)  # another process of the node wrote it while we waited
         if found is not None:
-            return _datasets(path, found, config)
+            return _datasets(path, found, config, open_each)
         for dead in path.parent.glob(f"{path.name}.*.tmp"):  # a writer killed mid-write (we hold its lock now)
             dead.unlink(missing_ok=True)
         datasets = open_each(list(prefixes), replace(config, node_share_dir=None))
@@ -137,7 +137,7 @@ def open_shared(
             return datasets
     # The leader's own datasets reopen from the share too when pickled (DataLoader workers).
     for i, ds in enumerate(datasets):
-        ds.reopen = (_reopen, (str(path), i, ds.source, config))
+        ds.reopen = (_reopen, (str(path), i, ds.source, config, open_each))
     return datasets
 
 
@@ -187,13 +187,13 @@ def _entries(view: memoryview) -> tuple[list[list[Any]], int]:
     return entries, -(-header_end // _ALIGN) * _ALIGN
 
 
-def _datasets(path: Path, view: memoryview, config: StorageConfig) -> list[IndexedDataset]:
+def _datasets(path: Path, view: memoryview, config: StorageConfig, open_each: Callable) -> list[IndexedDataset]:
     entries, start = _entries(view)
-    return [_dataset(path, view, entry, start, i, config) for i, entry in enumerate(entries)]
+    return [_dataset(path, view, entry, start, i, config, open_each) for i, entry in enumerate(entries)]
 
 
 def _dataset(
-    path: Path, view: memoryview, entry: list[Any], start: int, i: int, config: StorageConfig
+    path: Path, view: memoryview, entry: list[Any], start: int, i: int, config: StorageConfig, open_each: Callable
 ) -> IndexedDataset:
     """Dataset i of a share: its index read in place from the mapping (validated by the process that wrote it; the
     O(1) checks run again), its .bin opened at its first read, like any local dataset's."""
@@ -202,7 +202,7 @@ def _dataset(
     reader = _reader(f"{prefix}.bin", index, nbytes, mode, reason, align)
     ds = IndexedDataset(prefix, check=False, reader=reader, index=index)
     ds.source = source
-    ds.reopen = (_reopen, (str(path), i, source, config))
+    ds.reopen = (_reopen, (str(path), i, source, config, open_each))
     return ds
 
 
@@ -221,16 +221,16 @@ def _reader(location: str, index: OpenedIndex, nbytes: int, mode: str, reason: s
     return reader
 
 
-def _reopen(path: str, i: int, source: str, config: StorageConfig) -> IndexedDataset:
+def _reopen(path: str, i: int, source: str, config: StorageConfig, open_each: Callable) -> IndexedDataset:
     """Dataset i of the share at `path`, in a process it was pickled to (a DataLoader worker): from the share while
-    it exists, else (the job that wrote it has ended and its share was removed) opened from its own files."""
+    it exists, else (the job that wrote it has ended and its share was removed) opened from its own files by
+    `open_each` (storage.open_datasets, pickled by name: this module does not import storage.datasets, which imports
+    it)."""
     view = _map(Path(path))
     if view is not None:
         entries, start = _entries(view)
-        return _dataset(Path(path), view, entries[i], start, i, config)
-    from corpusforge.storage.datasets import open_dataset  # not at the top: storage.datasets imports this module
-
-    return open_dataset(source, replace(config, node_share_dir=None))
+        return _dataset(Path(path), view, entries[i], start, i, config, open_each)
+    return open_each([source], replace(config, node_share_dir=None))[0]
 
 
 def _remove_stale_shares(directory: Path) -> None:

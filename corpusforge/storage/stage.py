@@ -75,7 +75,7 @@ class StagedBinReader(BinReader):
         for ref in self.owners:
             owner = ref()
             if owner is not None:
-                owner.__dict__.pop("_direct", None)
+                owner.reader_changed()
 
     def _current(self, switch: bool = True) -> BinReader:
         if self._local is not None or not switch:
