@@ -38,6 +38,10 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 DEEPSPEED = "deepspeed==0.19.8"
 # torchtitan's release pins datasets<4.8 (the hf extra has 5.x); its other dependencies are in the adapters extra.
 TORCHTITAN = "torchtitan==0.3.0"
+# The suite in 2 processes, a test file to a process at a time (pytest-xdist): much of it waits on subprocesses,
+# daemons and sleeps, so 2 cores run it in about 18 minutes instead of about 30, and a file's module-scoped set-ups (a
+# torchrun launch its tests share) are made once. Arguments after `test` come later and win (`-n 0`: one process).
+PYTEST_WORKERS = ("-n", "2", "--dist", "loadfile")
 # The tests' real storage and schedulers: a loopback Ceph (mon, memstore OSD, RGW, MDS, ceph-fuse), fio (bench-io's
 # reference), FUSE (storage that hangs on command; libfuse2 for fusepy), a one-node Slurm, loop devices with ext4.
 DEBIAN_TEST_PACKAGES = (
@@ -176,7 +180,9 @@ def ensure_python_packages(env_dir: Path, extras: str, torch: str, with_deepspee
     pip_install(python, f"corpusforge{f'[{extras}]' if extras else ''}", ["-e", target])
     if with_deepspeed:
         pip_install(
-            python, "deepspeed and torchtitan (without their dependencies)", ["--no-deps", DEEPSPEED, TORCHTITAN],
+            python,
+            "deepspeed and torchtitan (without their dependencies)",
+            ["--no-deps", DEEPSPEED, TORCHTITAN],
             "--no-build-isolation",
         )
     kept_extras = set(filter(None, extras.split(","))) | set(stamp.get("extras", []))
@@ -270,7 +276,7 @@ def test(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise SetupError(root_needed(DEBIAN_TEST_PACKAGES, args.pytest_args))
     ensure_debian_packages(DEBIAN_TEST_PACKAGES)
-    cmd = [str(python), "-m", "pytest", "-q", *args.pytest_args]
+    cmd = [str(python), "-m", "pytest", "-q", *PYTEST_WORKERS, *args.pytest_args]
     say("$ " + shlex.join(cmd))
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     if rc == 5:  # pytest: no tests collected, which is never a pass here

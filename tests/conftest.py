@@ -33,25 +33,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ceph: needs the loopback Ceph cluster (the ceph_cluster fixture)")
 
 
-# Under pytest-xdist (`-n 2 --dist loadgroup`, as bootstrap.py runs the suite on a 2-core machine), a module's tests
-# stay on one worker, so that its module-scoped set-ups (a torchrun launch shared by many tests) are made once; the
-# tests of every module that needs the one Ceph cluster, or the one Slurm, go to one worker, which starts it once.
-SHARED_SERVICES = {"ceph_cluster": "ceph", "slurm": "slurm"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "numprocesses", None):
-        return
-    modules: dict[str, str] = {}  # a module whose test needs a service: all its tests go with that service
-    for item in items:
-        for fixture, group in SHARED_SERVICES.items():
-            if fixture in getattr(item, "fixturenames", ()) or (group == "ceph" and item.get_closest_marker("ceph")):
-                modules[item.nodeid.split("::")[0]] = group
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(modules.get(module, module)))
-
-
 @pytest.fixture(scope="session")
 def ceph_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A running one-node Ceph cluster (mon, memstore OSD, radosgw, MDS, ceph-fuse), stopped after the session."""
