@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -218,3 +219,27 @@ def is_url(path: str | os.PathLike) -> bool:
     """
     text = os.fspath(path)
     return "://" in text and not text.startswith("file://")
+
+
+@contextlib.contextmanager
+def flock(path: str | os.PathLike, blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive flock on `path` (created if missing) for the block; yields False, holding nothing, when not
+    `blocking` and another process holds it. Node-local: the kernel lets go when its holder dies, however it dies.
+
+    Example:
+        >>> with flock("cache/entry.lock", blocking=False) as held:
+        ...     if held: copy_the_entry()
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -19,17 +19,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-from corpusforge.fsutil import fsync_dir, is_url
+from corpusforge.fsutil import flock, fsync_dir, is_url
 from corpusforge.indexed import IndexedDataset
 from corpusforge.storage.config import MiB
 from corpusforge.storage.remote import filesystem
@@ -78,7 +77,7 @@ class LocalCache:
         key, name = self.key(source), source.rstrip("/").rsplit("/", 1)[-1]
         final = self.directory / key
         sizes = self._source_sizes(source)
-        with _flock(self.directory / f"{key}.lock"):
+        with flock(self.directory / f"{key}.lock"):
             if not self._complete(final, name, sizes):
                 for stale in self.directory.glob(f".{key}.partial-*"):  # a killed copy: we hold the lock
                     shutil.rmtree(stale, ignore_errors=True)
@@ -109,7 +108,7 @@ class LocalCache:
         final = self.directory / key
         if not (final / "meta.json").is_file():
             return None
-        with _flock(self.directory / f"{key}.lock", blocking=False) as held:
+        with flock(self.directory / f"{key}.lock", blocking=False) as held:
             if not held or not self._complete(final, name, sizes):
                 return None
             Path(self.directory / f"{key}.used").touch()
@@ -209,7 +208,7 @@ class LocalCache:
 
     def _evict(self, key: str) -> bool:
         """Remove an entry unless another process copies it (holds its lock) or reads it (holds a pin)."""
-        with _flock(self.directory / f"{key}.lock", blocking=False) as held:
+        with flock(self.directory / f"{key}.lock", blocking=False) as held:
             if not held:
                 return False
             if not self._remove_unread(key):
@@ -219,7 +218,7 @@ class LocalCache:
 
     def _remove_unread(self, key: str) -> bool:
         """Remove entry `key` (its lock held by the caller) unless a reader pins it; whether it was removed."""
-        with _flock(self.directory / f"{key}.readers", blocking=False) as unread:
+        with flock(self.directory / f"{key}.readers", blocking=False) as unread:
             if not unread:
                 return False
             doomed = self.directory / f".{key}.evicted-{os.getpid()}"
@@ -250,21 +249,3 @@ class ReaderPin:
 
     def __del__(self) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _flock(path: Path, blocking: bool = True) -> Iterator[bool]:
-    """Hold an exclusive flock on `path`; yields False (not held) when non-blocking and taken elsewhere."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)

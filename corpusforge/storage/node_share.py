@@ -25,19 +25,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import mmap
 import os
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from corpusforge.fsutil import atomic_write
+from corpusforge.fsutil import atomic_write, flock
 from corpusforge.indexed import BinReader, IndexedDataset, OpenedIndex
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.readers import LOCAL_READERS, DirectBinReader, PreadBinReader
@@ -121,7 +120,7 @@ def open_shared(
     if found is not None:  # the common case after the first: no lock, one open of a node-local file
         return _datasets(path, found, config, open_each)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _flock(Path(f"{path}.lock")):
+    with flock(Path(f"{path}.lock")):  # node-local: the kernel lets go when its holder dies
         found = _map(path)  # another process of the node wrote it while we waited
         if found is not None:
             return _datasets(path, found, config, open_each)
@@ -244,17 +243,3 @@ def _remove_stale_shares(directory: Path) -> None:
             with contextlib.suppress(OSError):
                 old.unlink()
                 Path(f"{old}.lock").unlink()
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path`, node-local: the kernel releases it when its holder dies, however it dies."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)

@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corpusforge.fsutil import write_json_atomic
+from corpusforge.fsutil import flock, write_json_atomic
 from corpusforge.indexed import BinReader, IndexedDataset
 from corpusforge.storage.config import StorageConfig
 from corpusforge.storage.local_cache import LocalCache
@@ -190,7 +189,7 @@ def _stage(readers: list[BinReader], order: list[int], config: StorageConfig, ba
         left = [i for i in order if isinstance(readers[i], StagedBinReader) and not _mark_if_staged(readers[i])]
         if not left:
             return
-        with _try_flock(Path(f"{base}.lock")) as held:
+        with flock(Path(f"{base}.lock"), blocking=False) as held:
             if held:
                 _copy_in_order(cache, [readers[i] for i in left], config, Path(f"{base}.json"), total)
                 continue
@@ -223,20 +222,3 @@ def _copy_in_order(
                                        "bytes": total, "seconds": round(seconds, 2),
                                        "mb_per_s": round(done_bytes / max(seconds, 1e-9) / 1e6, 1),
                                        "stager_pid": os.getpid()}, durable=False)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _try_flock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
