@@ -19,6 +19,7 @@ CORPUSFORGE_SKIP_CEPH=1 to skip these tests instead (CI does not: they must run 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,3 +49,15 @@ def ceph_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount: a file system that refuses O_DIRECT (tmpfs takes it since Linux 6.6)."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)

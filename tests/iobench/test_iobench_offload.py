@@ -5,7 +5,6 @@ it (a disk) and buffered where it does not (a real ramfs), and nothing is left b
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 from iobench_helpers import tiny
@@ -13,18 +12,6 @@ from iobench_helpers import tiny
 from corpusforge.iobench.config import KiB, MiB
 from corpusforge.iobench.offload import OFFLOAD_STEPS
 from corpusforge.iobench.runner import run_bench
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A ramfs mount: a file system that refuses O_DIRECT (tmpfs takes it since Linux 6.6)."""
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
-    yield where
-    subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 @pytest.mark.slow

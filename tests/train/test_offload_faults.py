@@ -4,7 +4,6 @@ takes it and buffered I/O where it does not (a real ramfs); the streamed step eq
 
 from __future__ import annotations
 
-import os
 import struct
 import subprocess
 import sys
@@ -50,18 +49,6 @@ def train_steps(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 5) 
 
 def nvme(m: torch.nn.Module, directory: Path, **kw) -> NvmeAdamW:
     return NvmeAdamW(groups(m), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, directory=directory, **kw)
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A ramfs mount: a file system that refuses O_DIRECT (tmpfs takes it since Linux 6.6)."""
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
-    yield where
-    subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 @pytest.mark.parametrize("where", ["disk", "ramfs"])
