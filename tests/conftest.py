@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: a real Ceph cluster on loopback (RGW for S3, CephFS via ceph-fuse).
+"""Fixtures shared by every test folder: a real Ceph cluster on loopback (RGW for S3, CephFS via ceph-fuse), and a
+ramfs mount (a file system that refuses O_DIRECT).
 
     @pytest.mark.slow
     @pytest.mark.ceph
@@ -8,7 +9,8 @@
         path = ceph_cluster.cephfs_mount / "file"                # a file on CephFS
 
 Or `ceph = request.getfixturevalue("ceph_cluster")` inside a test. One cluster serves the whole session (it
-takes ~15 s to start); tests share it, so each uses its own bucket and CephFS directory. The attributes are
+takes ~15 s to start; under `-n 2`, each of the two processes that meets a Ceph test starts its own); tests share
+it, so each uses its own bucket and CephFS directory. The attributes are
 those of tests/ceph_cluster.py's CephCluster: .s3_endpoint, .access_key, .secret_key, .storage_options,
 .filesystem(), .bucket(name), .cephfs_mount, .ceph(*args), .start_seconds, .stop().
 
