@@ -8,6 +8,7 @@ killed: the test kills it there, as a node failure would, with batches already f
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -61,6 +62,18 @@ def block_until_killed(marker: Path) -> None:
     Path(marker).write_text(str(os.getpid()))
     while True:
         time.sleep(1)
+
+
+def job_arguments() -> argparse.ArgumentParser:
+    """The options every adapter's job script takes: its corpora, index cache and output directory, the step after
+    which it blocks until killed, and whether it resumes from its last checkpoint."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--corpora", required=True)
+    p.add_argument("--cache", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--block-after", type=int)
+    p.add_argument("--resume", action="store_true")
+    return p
 
 
 def job_command(script: str, *args: str) -> list[str]:

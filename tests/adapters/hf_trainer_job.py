@@ -6,13 +6,12 @@ recording each step's batch as the model receives it; checkpoints every SAVE_EVE
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from adapter_harness import MBS, SAVE_EVERY, SEQ, STEPS, VOCAB, blend_of, block_until_killed, record_step  # noqa: E402
+from adapter_harness import MBS, SAVE_EVERY, SEQ, STEPS, VOCAB, blend_of, block_until_killed, job_arguments, record_step  # noqa: E402
 
 
 def train_dataset(corpora: list[str], cache: str):
@@ -23,12 +22,7 @@ def train_dataset(corpora: list[str], cache: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--corpora", required=True)
-    p.add_argument("--cache", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--block-after", type=int)
-    p.add_argument("--resume", action="store_true")
+    p = job_arguments()
     a = p.parse_args(argv)
 
     import torch

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from adapter_harness import EOD, MBS, SAVE_EVERY, SEQ, STEPS, block_until_killed, record_step  # noqa: E402
+from adapter_harness import EOD, MBS, SAVE_EVERY, SEQ, STEPS, block_until_killed, job_arguments, record_step  # noqa: E402
 
 
 def megatron_args(corpora: list[str], cache: str, **changes) -> argparse.Namespace:
@@ -56,12 +56,7 @@ def batches(dataset, consumed: int, micro_batch_size: int = MBS, rank: int = 0, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--corpora", required=True)
-    p.add_argument("--cache", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--block-after", type=int)
-    p.add_argument("--resume", action="store_true")
+    p = job_arguments()
     a = p.parse_args(argv)
 
     from corpusforge.adapters.megatron_lm import build_datasets_from_args
