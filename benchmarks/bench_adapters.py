@@ -152,6 +152,10 @@ def grain_case(s: Setup, kind: str) -> Iterable[Any]:
     source = GrainSource(s.train, BATCH)
     if kind == "loader":
         return grain_loader(source)
+    if kind == "loader 2 threads":  # reading ahead in threads, 8 micro-batches
+        return grain_loader(source, read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
+    if kind == "loader grain default":  # Grain's own ReadOptions(): 16 threads, 500 records ahead
+        return grain_loader(source, read_options=grain.ReadOptions())
     no_threads = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # thread_time sees all the work
     return grain_dataset(source, per_sample=kind == "per sample").to_iter_dataset(no_threads)
 
@@ -173,7 +177,7 @@ CASES: list[Case] = [
     Case("hf default collate", lambda s: hf_trainer(s, True), lambda batch: batch["input_ids"].numpy()),
     Case("lightning", lightning),
     *(Case(f"grain {kind}", lambda s, kind=kind: grain_case(s, kind), lambda batch: batch["tokens"])
-      for kind in ("loader", "mapdataset", "per sample")),
+      for kind in ("loader", "loader 2 threads", "loader grain default", "mapdataset", "per sample")),
     Case("torchtitan", torchtitan, lambda batch: batch[0]["input"].numpy()),
 ]  # fmt: skip
 

@@ -123,7 +123,7 @@ def grain_loader(
     `read_options` defaults to reading in the calling thread (read ahead in worker processes, with worker_count, as
     corpusforge's own loader does): Grain's default (16 threads, 500 records ahead) polls its whole read-ahead
     buffer on every record: 5-7x corpusforge's loader's CPU time per sample here, and 2 threads about 2x, on a
-    loaded 2-core machine (benchmarks/bench_adapters_grain.py, 2026-11-28). Pass ReadOptions with threads for
+    loaded 2-core machine (benchmarks/bench_adapters.py, 2026-11-28). Pass ReadOptions with threads for
     storage with latency.
 
     Example:
