@@ -121,6 +121,9 @@ def test_a_read_in_another_process_is_seen_with_its_file_offset_and_time(tmp_pat
     file, the offset it has reached and its time; its finished reads count in the parent's percentiles."""
     from corpusforge.storage import readwatch
 
+    # share() keeps this process's reads timed so far, and earlier tests in this pytest process (one xdist worker
+    # runs many files) have read: start from none, so that the counts below are the child's alone.
+    readwatch.unshare()
     readwatch.share(str(tmp_path / "slots"))
     try:
         pid = os.fork()
