@@ -736,10 +736,6 @@ def _check_curriculum(cfg: TrainConfig) -> None:
         raise ConfigError("data.curriculum: a curriculum is for token datasets read by GPT-2 and Llama models (not "
                           "synthetic tokens, not RETRO); drop data.curriculum",
                           ["data.curriculum", "data.source"])  # fmt: skip
-    if cfg.parallel.pp != 1 and {p.seq_length for p in curriculum.phases} != {cfg.model.seq_length}:
-        raise ConfigError(f"data.curriculum: pipeline stages (parallel.pp = {cfg.parallel.pp}) take one sequence "
-                          "length; drop the phases' seq_length or set parallel.pp=1",
-                          ["data.curriculum", "parallel.pp"])  # fmt: skip
     tp = cfg.parallel.tp  # an inferred tp (-1) is checked for model.seq_length only, by parallel.resolve_layout
     uneven = sorted({p.seq_length for p in curriculum.phases if p.seq_length % tp}) if tp > 1 else []
     if uneven and cfg.parallel.sequence_parallel:

@@ -118,6 +118,29 @@ def build_schedule(parts: list[tuple[int, torch.nn.Module]], layout: Layout, nam
     return cls(stages, n_microbatches=layout.microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+class SchedulePerShape:
+    """One schedule per micro-batch shape, built on first use over the same stage modules.
+
+    torch's stages infer the shapes of the activations they pass at their first step and keep them, while a
+    curriculum's length phase (data.curriculum) changes the batch from (B, S) to (B * S / L, L) mid-run, and
+    validation may read at another length than training does then. Each shape seen gets its own schedule (a few
+    shape-inference messages between the stages, once); the parameters, and so the gradients, are the same modules'.
+
+    Example:
+        >>> schedules = SchedulePerShape(lambda: build_schedule(parts, layout, "1F1B", group, device, loss_fn))
+        >>> schedules.of(batch["tokens"].shape).step(batch["tokens"], target=targets, losses=losses)
+    """
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self.build, self.schedules = build, {}
+
+    def of(self, shape: torch.Size | tuple[int, ...]) -> Any:
+        key = tuple(shape)
+        if key not in self.schedules:
+            self.schedules[key] = self.build()
+        return self.schedules[key]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the optimizers of a rank that holds stages
 

@@ -326,7 +326,7 @@ class Plan:
     resume_from: Path | None = None
     stage_ids: list[int] = field(default_factory=list)  # the pipeline stages this rank holds
     mesh: Any = None  # the DeviceMesh (pp, dp_replicate, dp_shard, tp) when the layout needs one
-    schedule: Any = None  # the pipeline schedule when pp > 1 (then `model` is a ModuleList of this rank's stages)
+    schedule: Any = None  # pp > 1: pipeline.SchedulePerShape (then `model` is a ModuleList of this rank's stages)
     tied_group: Any = None  # pp > 1 with a tied embedding: the ranks of the first and last stage (pipeline.py)
     watchdog: Watchdog | None = None  # slow and hung reads (run() starts it)
     placements: dict = field(default_factory=dict)  # offload_bytes(): {placement: {device, host, disk}}
@@ -515,8 +515,8 @@ def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par
         """Masked positions come as target -1 (the schedule passes one target tensor)."""
         return loss_fn(logits, targets.clamp(min=0), (targets >= 0).float()) / scale
 
-    plan.schedule = pipe.build_schedule(parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(),
-                                        rt.device, loss_of_microbatch)  # fmt: skip
+    plan.schedule = pipe.SchedulePerShape(lambda: pipe.build_schedule(
+        parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(), rt.device, loss_of_microbatch))
     plan.stage_ids = [s for s, _ in parts]
     return torch.nn.ModuleList([m for _, m in parts]), None
 
@@ -532,7 +532,8 @@ def pipeline_pass(plan: Plan, batch: dict[str, torch.Tensor], train: bool = True
     # boundaries and the restarting positions travel with each micro-batch as keyword arguments, which the schedule
     # splits like the tokens and hands to every stage (activations alone pass between stages).
     documents = {k: batch[k] for k in ("position_ids", "cu_seqlens")} if "cu_seqlens" in batch else {}
-    run = plan.schedule.step if train else plan.schedule.eval
+    schedule = plan.schedule.of(batch["tokens"].shape)  # a curriculum's length phase changes the shape
+    run = schedule.step if train else schedule.eval
     with plan.loss_context(), autocast(plan):
         run(*args, target=targets, losses=losses, **documents)
     if last in plan.stage_ids:

@@ -3,8 +3,9 @@ length at step 6) and resumed, on one rank or on two, reads the samples of the u
 its losses bit for bit; the dry run says what each source and each length gives, as the run reads it.
 
 One 1-rank run is resumed three times in a row (before the weight change, after it, at the length change); its
-checkpoint at the length change is resumed by a 2-rank torchrun. Each run's ranks write the tokens of each micro-batch
-under its first loader unit (curriculum_record.py), and the files are compared unit by unit. The loader alone is
+checkpoint at the length change is resumed by a 2-rank torchrun, which then trains the whole run on two pipeline
+stages. Each run's ranks write the tokens of each micro-batch under its first loader unit (curriculum_record.py), and
+the files are compared unit by unit. The loader alone is
 resumed before, at and after every change point on 1 and 2 ranks by tests/data/test_curriculum.py (a training run
 costs seconds here, a loader milliseconds).
 """
@@ -31,6 +32,7 @@ STOPS = (2, 4, 6)  # before and after the weights' change point, at the length's
 
 def overrides(corpora: list[str], out_dir: Path, cache: Path, *extra: str) -> list[str]:
     base = trainkit.tiny_overrides(corpora[0], out_dir, max_steps=STEPS, eval_interval=0, checkpoint_interval=0)
+    base.append("model.n_layer=2")  # two pipeline stages can cut it
     blend = f'data.path=["{corpora[0]}", 0.5, "{corpora[1]}", 0.5]'
     return [*base, blend, f"data.curriculum={PHASES}", f'data.cache_dir="{cache}"', *extra]
 
@@ -38,7 +40,7 @@ def overrides(corpora: list[str], out_dir: Path, cache: Path, *extra: str) -> li
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The work directory: whole/ (8 steps), chain/ (stopped and resumed at each of STOPS), at-6/ (the chain's
-    checkpoint of step 6 resumed by 2 ranks) and the dry run's report."""
+    checkpoint of step 6 resumed by 2 ranks), pp2/ (the whole run on two pipeline stages) and the dry run's report."""
     work = tmp_path_factory.mktemp("curriculum")
     corpora = [trainkit.write_markov_corpus(work / "a_text_document"),
                trainkit.write_markov_corpus(work / "b_text_document", seed=1)]  # fmt: skip
@@ -55,7 +57,8 @@ def runs(tmp_path_factory):
         if stop == 6:  # the length's change point: resumed by 2 ranks too
             step = chain / "checkpoints" / f"step_{stop:08d}"
             shutil.copytree(step, work / f"at-{stop}" / "checkpoints" / step.name)
-    launch = [overrides(corpora, work / "at-6", cache)]
+    pp2 = [*overrides(corpora, work / "pp2", cache), "parallel.pp=2", "parallel.dp_replicate=1"]
+    launch = [overrides(corpora, work / "at-6", cache), pp2]
     spec = work / "runs.json"
     spec.write_text(__import__("json").dumps(launch))
     script = Path(__file__).resolve().parent / "curriculum_record.py"
@@ -94,6 +97,16 @@ def test_two_ranks_resumed_at_the_length_change_read_the_whole_runs_samples(runs
         a, b = series(work / "whole"), series(work / f"at-{stop}")
         assert sorted(b) == list(range(stop + 1, STEPS + 1))
         assert all(abs(a[s] - b[s]) < 1e-4 * abs(a[s]) for s in b)  # DDP's mean of two ranks: not bit for bit
+
+
+def test_two_pipeline_stages_train_through_the_length_change_as_one_process(runs):
+    """The stages' schedule infers the activations' shape at its first step; the length phase changes it (16 x 16,
+    then 8 x 32), and the run goes on with the whole run's samples and losses (fp32 on CPU: the same up to the
+    order of the gradient sums)."""
+    work = runs[0]
+    same_units(load(work / "whole"), load(work / "pp2"), range(STEPS * 16))
+    a, b = series(work / "whole"), series(work / "pp2")
+    assert sorted(b) == list(range(1, STEPS + 1)) and b == pytest.approx(a, rel=1e-5)
 
 
 def test_the_dry_run_says_what_each_source_and_length_gives(runs):
