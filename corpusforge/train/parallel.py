@@ -56,6 +56,7 @@ class Layout:
     tp: int
     stage_layers: tuple[tuple[int, ...], ...] = ()  # layer indices of each pipeline stage
     microbatches: int = 1
+    cpu_offload: bool = False  # parallel.offload = "cpu" in one process: FSDP2 on a mesh of one rank
 
     @property
     def world(self) -> int:
@@ -70,7 +71,7 @@ class Layout:
     def fsdp(self) -> bool:
         """Whether FSDP2 shards (or, with tp or pp, replicates) the model over the data-parallel ranks; DDP when
         data parallelism is the only dimension and nothing is sharded."""
-        return self.dp_shard > 1 or (self.dp > 1 and (self.tp > 1 or self.pp > 1))
+        return self.dp_shard > 1 or (self.dp > 1 and (self.tp > 1 or self.pp > 1)) or self.cpu_offload
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> its coordinate on each mesh dimension (row-major, pp outermost, as init_device_mesh lays it)."""
@@ -129,9 +130,13 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_cfg: GPTConfig | Lla
                 f"splits it); change model.seq_length or set parallel.sequence_parallel=false"
             )
     if p.offload == "cpu" and not layout.fsdp:
-        raise ConfigError(
-            'parallel.offload = "cpu" (the old parallel.cpu_offload): cpu_offload needs FSDP2; set dp_shard above 1'
-        )
+        if layout.world > 1:
+            raise ConfigError(
+                'parallel.offload = "cpu" (the old parallel.cpu_offload): cpu_offload needs FSDP2; set dp_shard above '
+                "1, or run one process"
+            )
+        # FSDP2's CPUOffloadPolicy is the offload: one process gets FSDP2 on a world of one (setup_runtime)
+        layout = Layout(**degrees, cpu_offload=True)
     if layout.pp > 1:
         stages, micro = pipeline_split(cfg, layout, model_cfg)
         layout = Layout(**degrees, stage_layers=stages, microbatches=micro)

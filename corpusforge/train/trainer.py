@@ -61,6 +61,7 @@ class Runtime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     distributed: bool = False
     group: Any = None  # a gloo group of all ranks for agree(): CPU objects, whatever the device's backend
+    solo_group: bool = False  # a default process group of this process alone, made by setup_runtime for FSDP2
 
     @property
     def is_main(self) -> bool:
@@ -148,6 +149,11 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         dist.init_process_group(backend, device_id=rt.device if use_cuda else None, **_restart_store(rt))
     if rt.distributed:
         rt.group = dist.new_group(backend="gloo")
+    elif cfg.parallel.offload == "cpu" and not dist.is_initialized():
+        # offload "cpu" is FSDP2's CPUOffloadPolicy, and FSDP2's mesh needs a process group: one of a world of one
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=rt.device if use_cuda else None)  # fmt: skip
+        rt.solo_group = True
     return rt
 
 
@@ -773,7 +779,7 @@ def train(cfg: TrainConfig, dry_run: bool = False, log: Log | None = None, world
         rt.barrier()  # no rank tears the group down while another is still in a collective
         return summary
     finally:
-        if rt.distributed and dist.is_initialized():
+        if (rt.distributed or rt.solo_group) and dist.is_initialized():
             dist.destroy_process_group()
 
 
