@@ -1,6 +1,7 @@
 """parallel.offload: the losses of every placement are the in-memory run's, bit for bit, over 20 steps of the tiny
-GPT-2 and the tiny Llama, in one process (none, nvme) and under FSDP2 with 2 gloo ranks (none, cpu, nvme: one torchrun
-launch runs all six); a checkpoint of one placement resumes into another with the uninterrupted losses."""
+GPT-2 and the tiny Llama, in one process (none, cpu: FSDP2 on a world of one, nvme) and under FSDP2 with 2 gloo ranks
+(none, cpu, nvme: one torchrun launch runs all six); a checkpoint of one placement resumes into another with the
+uninterrupted losses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from trainkit import run_records, tiny_overrides, torchrun_runs, write_markov_co
 
 from corpusforge.train import load_config, train
 from corpusforge.train.offload.state_files import MAGIC
+from corpusforge.train.parallel import resolve_layout
+from corpusforge.train.trainer import model_config, prepare, setup_runtime
 
 STEPS = 20
 HERE = Path(__file__).resolve().parent
@@ -44,7 +47,7 @@ def one_process(corpus, tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("offload-one")
     runs = {}
     for family in FAMILIES:
-        for offload in ("none", "nvme"):
+        for offload in ("none", "cpu", "nvme"):
             out = root / f"{family}-{offload}"
             train(load_config(None, overrides(corpus, out, family, offload)), log=lambda line: None)
             runs[family, offload] = out
@@ -60,6 +63,36 @@ def test_nvme_losses_are_the_in_memory_ones_bit_for_bit(one_process, family):
     assert [f.name for f in files] == ["exp_avg.bin", "exp_avg_sq.bin", "master.bin"]
     assert all(f.read_bytes()[:8] == MAGIC for f in files)
     assert not (one_process[family, "none"] / "offload").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_losses_in_one_process_are_the_in_memory_ones_bit_for_bit(one_process, family):
+    memory, cpu = losses(one_process[family, "none"]), losses(one_process[family, "cpu"])
+    assert len(memory) == STEPS and memory == cpu  # floats compared exactly
+    assert not (one_process[family, "cpu"] / "offload").exists()
+
+
+def test_cpu_offload_in_one_process_is_fsdp2_on_a_world_of_one(corpus, tmp_path):
+    """One process with offload "cpu": every block and the root are FSDP2 units with CPUOffloadPolicy, on a process
+    group of this process alone, which the run tears down at its end (train()'s finally; here by hand)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    cfg = load_config(None, overrides(corpus, tmp_path / "out", "gpt2", "cpu"))
+    layout = resolve_layout(cfg, 1, model_config(cfg))
+    assert layout.fsdp and layout.world == 1
+    rt = setup_runtime(cfg)
+    try:
+        assert rt.solo_group and dist.get_world_size() == 1 and not rt.distributed
+        plan = prepare(cfg, rt, layout)
+        units = [m for m in plan.model.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == cfg.model.n_layer + 1  # each block and the root
+        assert all(isinstance(u._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy) for u in units)
+        assert all(isinstance(p, DTensor) for p in plan.model.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
