@@ -69,22 +69,22 @@ class TrainerSamples:
         return len(self.dataset)
 
     def __getitems__(self, ids: Sequence[int]) -> list[dict[str, Any]]:
-        """Samples `ids` read with one gather, one dict per sample (rows of the batch's tensors)."""
-        import torch
+        """Samples `ids` read with one gather, one dict per sample (views of the batch's tensors, which
+        collate_rows hands back as they are)."""
+        from corpusforge.adapters.sample_rows import sample_rows, widened
 
         batch = self.dataset.get_batch(np.asarray(ids, dtype=np.int64))
-        labels = np.where(batch["loss_mask"] > 0, batch["labels"], IGNORE_INDEX)
-        input_ids = torch.from_numpy(batch["tokens"]).long()
-        targets = torch.from_numpy(labels).long()
-        positions = torch.from_numpy(batch["position_ids"]).long()
-        # one unbind per field, not one indexing per sample and field: the rows' views cost more than the gather
-        rows = zip(input_ids.unbind(0), targets.unbind(0), positions.unbind(0))
-        return [{"input_ids": i, "labels": t, "shift_labels": t, "position_ids": p} for i, t, p in rows]
+        input_ids, targets, positions = widened(batch["tokens"], batch["labels"], batch["position_ids"])
+        loss_mask = batch["loss_mask"]
+        if loss_mask.min() == 0:  # a reduction costs less than the comparison, which most batches then skip
+            targets.numpy()[loss_mask == 0] = IGNORE_INDEX
+        fields = {"input_ids": input_ids, "labels": targets, "shift_labels": targets, "position_ids": positions}
+        return sample_rows(fields)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        return self.__getitems__([i % len(self)])[0]
+        return dict(self.__getitems__([i % len(self)])[0])
 
 
 def collate_rows(features: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,17 +97,11 @@ def collate_rows(features: list[dict[str, Any]]) -> dict[str, Any]:
         >>> batch["input_ids"].shape
         torch.Size([2, 1024])
     """
-    out = {}
-    for key, first in features[0].items():
-        base = getattr(first, "_base", None)
-        if base is None or base.dim() != 2 or base.shape[0] != len(features):
-            break
-        start, step = base.data_ptr(), base.stride(0) * base.element_size()  # row r starts at start + r * step
-        if any(f[key].data_ptr() != start + r * step or f[key]._base is not base for r, f in enumerate(features)):
-            break
-        out[key] = base
-    else:
-        return out
+    from corpusforge.adapters.sample_rows import whole_batch
+
+    batch = whole_batch(features)
+    if batch is not None:
+        return batch
     from transformers import default_data_collator
 
     return default_data_collator(features)

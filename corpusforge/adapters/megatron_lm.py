@@ -9,7 +9,9 @@ batch sizes) and `dataset[i]`. `get_batch_on_this_tp_rank` then broadcasts the b
 ranks into buffers it allocates as megatron-core's GPTDataset types them, so every sample here is typed as
 megatron-core's: tokens, labels, position_ids int64 (S,); loss_mask float32 (S,); attention_mask bool (1, S, S)
 when asked; dataset_id an int16 scalar for a blend (BlendedDataset's index dtype). A micro-batch is read with one gather
-(`__getitems__`), then split into the per-sample dicts that the default collate stacks.
+(`__getitems__`, which torch's DataLoader calls with a batch sampler's ids), its int64 fields widened once for the
+batch, then cut into per-sample dicts that Megatron-LM's default collate hands back as that batch instead of
+stacking them again (corpusforge/adapters/sample_rows.py).
 
 In pretrain_gpt.py (Megatron-LM's own `is_dataset_built_on_rank`, tokenizer and arguments):
 
@@ -78,27 +80,26 @@ class MegatronSamples:
         return self.dataset.fingerprint
 
     def __getitems__(self, ids: Sequence[int]) -> list[dict[str, Any]]:
-        """Samples `ids` read with one gather, as one dict per sample (views of the batch's tensors)."""
-        import torch
+        """Samples `ids` read with one gather, as one dict per sample (views of the batch's tensors), which
+        Megatron-LM's default collate gives back as that batch (sample_rows) instead of stacking them again."""
+        from corpusforge.adapters.sample_rows import sample_rows, torch_view, widened
 
         batch = self.dataset.get_batch(np.asarray(ids, dtype=np.int64))
+        tokens, labels, positions = widened(batch["tokens"], batch["labels"], batch["position_ids"])
         fields: dict[str, Any] = {}
-        for key in ("tokens", "labels"):
-            fields[key] = torch.from_numpy(batch[key]).long()
+        if self.blended:  # first, as BlendedDataset puts it: {"dataset_id": ..., **sample}; numpy scalars as there
+            fields["dataset_id"] = batch["dataset_id"].astype(DATASET_ID_DTYPE)
+        fields["tokens"], fields["labels"] = tokens, labels
         if "attention_mask" in batch:
-            fields["attention_mask"] = torch.from_numpy(batch["attention_mask"])
-        fields["loss_mask"] = torch.from_numpy(batch["loss_mask"])
-        fields["position_ids"] = torch.from_numpy(batch["position_ids"]).long()
-        if self.blended:  # first, as BlendedDataset puts it: {"dataset_id": ..., **sample}
-            fields = {"dataset_id": list(batch["dataset_id"].astype(DATASET_ID_DTYPE)), **fields}
-        # one unbind per field, not one indexing per sample and field: the rows' views cost more than the gather
-        keys, rows = list(fields), zip(*(v.unbind(0) if hasattr(v, "unbind") else v for v in fields.values()))
-        return [dict(zip(keys, row)) for row in rows]
+            fields["attention_mask"] = torch_view(batch["attention_mask"])
+        fields["loss_mask"] = torch_view(batch["loss_mask"])
+        fields["position_ids"] = positions
+        return sample_rows(fields)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples ({self.split_name})")
-        return self.__getitems__([i % len(self)])[0]
+        return dict(self.__getitems__([i % len(self)])[0])
 
     def __repr__(self) -> str:
         return f"MegatronSamples({self.dataset!r})"
