@@ -11,10 +11,12 @@ so its CPU time is its work, which a loaded machine (other jobs on the same core
 time; the ratios against the anchor are taken per round, then their median.
 
   corpusforge          make_loader(train, 8): the anchor, int32 torch tensors
-  corpusforge int64    the anchor's batches widened to int64 (tokens, labels, position_ids): the types Megatron-LM
-                       and transformers take, without a per-sample collate (a floor for the two adapters below)
+  corpusforge int64    the anchor's batches widened to int64 (tokens, labels, position_ids) in one storage, as the
+                       adapters widen them (sample_rows.widened): the types Megatron-LM and transformers take, i.e.
+                       the anchor doing the adapters' work (the floor of the two adapters below)
   megatron-lm          MegatronSamples through what Megatron-LM's build_pretraining_data_loader makes: a DataLoader
-                       with Megatron's sampler and the default collate; int64 as megatron-core types them
+                       with Megatron's sampler and the default collate (which gives back the batch the samples were
+                       cut from: sample_rows); int64 as megatron-core types them
   megatron-core        megatron-core's own GPTDataset in that same DataLoader (what the provider replaces)
   hf-trainer           TrainerSamples in a DataLoader of 8 in order with collate_rows, the adapter's data_collator
   hf default collate   the same with transformers' default_data_collator (which copies every field)
@@ -140,8 +142,11 @@ def lightning(s: Setup) -> Iterable[Any]:
 
 
 def widened(s: Setup) -> Iterable[Any]:
+    from corpusforge.adapters.sample_rows import widened as widen
+
     for batch in make_loader(s.train, BATCH):
-        yield {k: v.long() if k in ("tokens", "labels", "position_ids") else v for k, v in batch.items()}
+        tokens, labels, positions = widen(*(batch[k].numpy() for k in ("tokens", "labels", "position_ids")))
+        yield {**batch, "tokens": tokens, "labels": labels, "position_ids": positions}
 
 
 def grain_case(s: Setup, kind: str) -> Iterable[Any]:

@@ -68,9 +68,24 @@ class GrainSource:
         step, row = divmod(int(key), self.micro_batch_size)
         return step * self.micro_batch_size * self.dp_world_size + self.dp_rank * self.micro_batch_size + row
 
+    def sample_ids(self, keys: Any) -> np.ndarray:
+        """The dataset's sample ids of records `keys` (sample_id for many, in one numpy pass: a Python call per
+        record cost a tenth of a micro-batch's gather).
+
+        Example:
+            >>> GrainSource(train, micro_batch_size=2, dp_rank=1, dp_world_size=2).sample_ids(range(4)).tolist()
+            [2, 3, 6, 7]
+        """
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        if len(keys) and (keys.min() < 0 or keys.max() >= self._length):
+            bad = keys[(keys < 0) | (keys >= self._length)][0]
+            raise IndexError(f"record {bad} is not in [0, {self._length}) of {self!r}")
+        step, row = np.divmod(keys, self.micro_batch_size)
+        return (step * self.dp_world_size + self.dp_rank) * self.micro_batch_size + row
+
     def _getitems(self, keys: Any) -> list[dict[str, np.ndarray]]:
         """Records `keys`, read with one gather (Grain calls this for a batch where it reads batches at once)."""
-        ids = np.fromiter((self.sample_id(k) for k in keys), np.int64, count=len(keys))
+        ids = self.sample_ids(keys)
         batch = self.dataset.get_batch(ids)
         return [{name: value[i] for name, value in batch.items()} for i in range(len(ids))]
 
@@ -106,9 +121,9 @@ class MicroBatchSource:
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         if not 0 <= k < len(self):
             raise IndexError(f"micro-batch {k} is not in [0, {len(self)}) of {self.source!r}")
-        mbs = self.source.micro_batch_size
-        ids = [self.source.sample_id(key) for key in range(k * mbs, (k + 1) * mbs)]
-        return self.source.dataset.get_batch(np.asarray(ids, dtype=np.int64))
+        source, mbs = self.source, self.source.micro_batch_size
+        start = (k * source.dp_world_size + source.dp_rank) * mbs  # a micro-batch is consecutive samples
+        return source.dataset.get_batch(np.arange(start, start + mbs, dtype=np.int64))
 
     def __repr__(self) -> str:
         return f"corpusforge.MicroBatchSource({self.source!r})"

@@ -169,12 +169,16 @@ def to_torchtitan(batch: dict[str, torch.Tensor], positions: bool = False) -> tu
     Example:
         >>> inputs, labels = to_torchtitan(next(iter(loader)))
     """
-    labels, loss_mask = batch["labels"].long(), batch["loss_mask"]
+    from corpusforge.adapters.sample_rows import widened
+
+    names = ("tokens", "labels", "position_ids") if positions else ("tokens", "labels")
+    tokens, labels, *position_ids = widened(*(batch[k].numpy() for k in names))  # one int64 storage
+    loss_mask = batch["loss_mask"]
     if float(loss_mask.min()) == 0:  # a reduction costs a fifth of the comparison, which most batches then skip
         labels.masked_fill_(loss_mask.logical_not(), IGNORE_INDEX)
-    inputs = {"input": batch["tokens"].long()}
+    inputs = {"input": tokens}
     if positions:
-        inputs["positions"] = batch["position_ids"].long()
+        inputs["positions"] = position_ids[0]
     return inputs, labels
 
 
