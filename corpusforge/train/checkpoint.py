@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from corpusforge.errors import CorpusforgeError, PickleRefusedError, first_line, pickle_refused
@@ -248,6 +249,22 @@ def prune(out_dir: str | Path, keep: int) -> None:
 # saving while training
 
 
+class _MarkedShardWriter(FileSystemWriter):
+    """DCP's file writer, marking in `flight` when this rank writes its own shards: a watchdog then tells a rank stuck
+    in its write from one waiting for the others' (both sit in the same wait)."""
+
+    def __init__(self, path: Path, flight: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.flight = flight
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.flight["shards_since"] = time.monotonic()
+        try:
+            return super().write_data(plan, planner)  # writes (and fsyncs) before it returns its done future
+        finally:
+            self.flight["shards_since"] = None
+
+
 def _alone(check: Any, here: bool = True) -> Any:
     """agree() of one process: the check's outcome is already everyone's."""
     return check() if here else None
@@ -284,6 +301,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: CheckpointError | None = None
         self.last: dict[str, Any] | None = None  # {"step", "path", "write_s"} of the last finished write
+        self._flight: dict[str, Any] | None = None  # in_flight()
         self.last_stall: dict[str, float] = {}  # {"wait_s", "stage_s"} of the last save() call
 
     def save(self, step: int, state: ShardedState, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -300,7 +318,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
         self.last_stall = {"wait_s": t0 - t_wait}
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        self._flight = {"step": step, "path": str(tmp), "shards_since": None}
+        writer = _MarkedShardWriter(tmp, self._flight, sync_files=True)
         if self.asynchronous:
             future = dcp.async_save(state.flat, storage_writer=writer, async_stager=self._stager,
                                     **_dcp_kwargs(self.group))  # fmt: skip
@@ -344,6 +363,19 @@ class Checkpointer:
             self._error = self._write_failed(step, e)
             if self.rank == 0:  # every rank's write has ended: DCP gathered their outcomes before failing
                 shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            self._flight = None
+
+    def in_flight(self) -> dict[str, Any] | None:
+        """The write not finished yet, None when there is none: {"step", "path" (its .tmp- directory),
+        "shards_since"}, the time.monotonic() at which this rank began writing its own shards, None before and after
+        (while DCP plans, or waits for the other ranks' shards).
+
+        Example:
+            >>> with watchdog.saving(ckpt.in_flight):
+            ...     ckpt.save(step, state, trainer, meta)
+        """
+        return self._flight
 
     def _write_failed(self, step: int, error: BaseException) -> CheckpointError:
         root = checkpoint_root(self.out_dir)

@@ -876,9 +876,10 @@ def run(plan: Plan, log: Log) -> dict[str, Any]:
                              what=str(cfg.data.path or cfg.retro.db)).start()  # fmt: skip
     try:
         stats = loop(plan, log, writer, saver, start, last, loss_of, peak)
+        with plan.watchdog.saving(saver.in_flight):
+            saver.close()  # waits for the last write: its error, agreed, is every rank's
     finally:
-        plan.watchdog.stop()  # before the last checkpoint's write is waited for: not a data read
-    saver.close()  # waits for the last write: its error, agreed, is every rank's
+        plan.watchdog.stop()
     if saver.last is not None and rt.is_main:
         writer.write(
             "checkpoint",
@@ -947,7 +948,7 @@ def loop(plan: Plan, log: Log, writer: RunFiles, saver: ckpt.Checkpointer, start
             writer.write("valid", record)
             interval_t0 += time.perf_counter() - t0  # evaluation time is not training time
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == last:
-            with plan.watchdog.paused():  # a save is not a data read (its errors are its own)
+            with plan.watchdog.saving(saver.in_flight):  # a save waits for the previous write: watched as a write
                 stats.stalls.append(save_checkpoint(plan, saver, step, writer))  # the stall counts against tokens/s
     return stats
 

@@ -9,6 +9,9 @@ at where its own process and loader workers are (corpusforge.storage.readwatch: 
 
 - a rank in a data read (or waiting for a batch) for hang_s is *stuck*: it writes out_dir/hang-rank<R>.json
   (file, offset, bytes, seconds; the out_dir is on the file system every rank shares, as its checkpoints are);
+- a rank waiting for a checkpoint's write (`saving()`) whose own shards got no byte written for hang_s is *stuck*
+  in that write (the checkpoint's .tmp- directory named; no bytes: /proc/self/io, which a thread in a hung write
+  system call does not move, so a single write or fsync longer than hang_s counts as hung);
 - a rank with no progress for hang_s and in no read is *waiting* on others;
 - rank 0 waits a moment for the stuck ranks' files, prints the one line naming them, and writes
   out_dir/hang-reported.json; every rank writes out_dir/hang-step<N>-rank<R>.txt (its read state and
@@ -20,7 +23,8 @@ holds it), but its exit status is already HANG_EXIT_CODE; with data.num_workers 
 rank's process exits at once.
 
 For a loop of your own: readers of corpusforge.storage record their reads already; call `beat(step)` after each
-step, wrap waits for a batch in `waiting_for_data()`, and a save in `paused()`:
+step, wrap waits for a batch in `waiting_for_data()`, a checkpoint save in `saving(checkpointer.in_flight)` (anything
+else that is not progress, as an evaluation's start, in `paused()`):
 
     >>> dog = Watchdog(out_dir, rank, world_size, stall_s=30, hang_s=600).start()
     >>> for step, batch in enumerate(loader, 1):
@@ -54,6 +58,19 @@ def _now() -> float:
     return time.monotonic()
 
 
+def _written_bytes() -> int | None:
+    """The bytes this process's write system calls have returned so far (procfs: never waits on a storage), None
+    where /proc/self/io cannot be read."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _publish(path: Path, record: dict[str, Any]) -> None:
     """A record the other ranks read, whole or not at all (no fsync: they read it within seconds, and it must not
     wait on a disk)."""
@@ -75,6 +92,7 @@ class Watchdog:
         self.step, self.last_beat, self.armed = 0, _now(), False
         self.waiting_since: float | None = None  # in waiting_for_data()
         self.pause_depth = 0
+        self.save_clock: list | None = None  # in saving(): [bytes written, when they last grew, in_flight]
         self.warned: set[tuple[int, int]] = set()
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
@@ -125,6 +143,26 @@ class Watchdog:
             self.last_beat = _now()
 
     @contextlib.contextmanager
+    def saving(self, in_flight: Callable[[], dict[str, Any] | None]):
+        """This rank waits for a checkpoint's write (a save, which first waits for the previous one; the end of a
+        run). Its clock runs on the bytes this process writes (/proc/self/io: a thread in a hung write returns none),
+        and `in_flight()` says what is written: {"step", "path", "shards_since"} (Checkpointer.in_flight). No byte
+        written for hang_s while this rank writes its own shards: *stuck* in that write; a rank whose shards are
+        written waits for the others' for as long as they take, unless one of them has said it is stuck. Where
+        /proc/self/io cannot be read, as `paused()`."""
+        written = _written_bytes()
+        if written is None:
+            with self.paused():
+                yield
+            return
+        self.save_clock = [written, _now(), in_flight]
+        try:
+            yield
+        finally:
+            self.save_clock = None
+            self.last_beat = _now()
+
+    @contextlib.contextmanager
     def paused(self):
         """Not data: the clocks stop (a checkpoint save, an evaluation's start)."""
         self.pause_depth += 1
@@ -141,7 +179,12 @@ class Watchdog:
             reads = readwatch.current()
             if self.stall_s:
                 self._warn_stalls(reads)
-            if self.hang_s and not self.pause_depth:
+            if self.hang_s and self.save_clock is not None:
+                verdict, write = self._write_hung()
+                if verdict is not None:
+                    self._end(verdict, [], write)
+                    return
+            elif self.hang_s and not self.pause_depth:
                 verdict = self._hung(reads)
                 if verdict is not None:
                     self._end(verdict, reads)
@@ -182,6 +225,23 @@ class Watchdog:
             return "waiting"  # unarmed (the first step compiles): only once a stuck rank has said so
         return None
 
+    def _write_hung(self) -> tuple[str | None, dict[str, Any] | None]:
+        """In saving(): ("stuck", the write) when this rank's own shards got no byte written for hang_s, ("waiting",
+        None) when its shards are written and another rank has said it is stuck, else (None, None)."""
+        clock = self.save_clock
+        if clock is None:  # saving() has just ended
+            return None, None
+        written, now = _written_bytes(), _now()
+        if written != clock[0]:
+            clock[0], clock[1] = written, now
+            return None, None
+        if now - clock[1] < self.hang_s:
+            return None, None
+        write = clock[2]()
+        if write is not None and write.get("shards_since") is not None:
+            return "stuck", {**write, "seconds": now - max(clock[1], write["shards_since"])}
+        return ("waiting", None) if self._stuck_elsewhere() else (None, None)
+
     def _stuck_elsewhere(self) -> bool:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         for p in self.out.glob("hang-rank*.json"):
@@ -190,9 +250,9 @@ class Watchdog:
                     return True
         return False
 
-    def _end(self, verdict: str, reads: list[dict[str, Any]]) -> None:
-        step = self.step + 1  # the step in progress
-        mine = self._stuck_record(reads, step) if verdict == "stuck" else None
+    def _end(self, verdict: str, reads: list[dict[str, Any]], write: dict[str, Any] | None = None) -> None:
+        step = self.step + 1  # the step in progress (after a save, the next): the same on every rank
+        mine = self._stuck_record(reads, step, write) if verdict == "stuck" else None
         try:
             if mine is not None:
                 _publish(self.out / f"hang-rank{self.rank}.json", mine)
@@ -209,12 +269,15 @@ class Watchdog:
             readwatch.unshare()  # the slots' file in /dev/shm: a stuck worker keeps its mapping, not the name
             self.exit(HANG_EXIT_CODE)
 
-    def _stuck_record(self, reads: list[dict[str, Any]], step: int) -> dict[str, Any]:
-        r = reads[0] if reads else {}
+    def _stuck_record(self, reads: list[dict[str, Any]], step: int, write: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:  # fmt: skip
+        r = write or (reads[0] if reads else {})
         seconds = r.get("seconds") or (_now() - (self.waiting_since or self.last_beat))
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step,
+                "op": "write" if write else "read", "checkpoint_step": write["step"] if write else None,
                 "path": r.get("path") or self.what, "offset": r.get("offset"), "nbytes": r.get("nbytes"),
-                "seconds": round(seconds, 1), "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}  # fmt: skip
+                "seconds": round(seconds, 1),
+                "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}  # fmt: skip
 
     def _dump(self, step: int, verdict: str, reads: list[dict[str, Any]]) -> Path:
         path = self.out / f"hang-step{step}-rank{self.rank}.txt"
@@ -264,13 +327,18 @@ class Watchdog:
                 f"the job (it resumes from its last checkpoint)"
             )
         where = "; ".join(
-            f"rank {r['rank']} on {r['host']} in a read of {r['path']}"
+            f"rank {r['rank']} on {r['host']} "
+            + (
+                f"in a read of {r['path']}"
+                if r.get("op", "read") == "read"
+                else f"writing its shards of the checkpoint of step {r['checkpoint_step']} in {r['path']}"
+            )
             + (f" at offset {r['offset']} ({r['nbytes']} bytes)" if r.get("offset") is not None else "")
             + f" for {r['seconds']:g} s"
             for r in stuck
         )
         return (
             f"corpusforge: error: storage hung at step {step}: {where}; every rank's stacks are in {stacks}; every "
-            f"rank exits with {HANG_EXIT_CODE}: check that node's mount of that file, then restart the job (it "
+            f"rank exits with {HANG_EXIT_CODE}: check that node's mount of that path, then restart the job (it "
             f"resumes from its last checkpoint)"
         )

@@ -4,7 +4,8 @@
 
 While the file CONTROL/block exists, every read waits (a storage server that stopped answering; the reading process
 sits in the kernel, in no state any signal ends); removing it releases them. A file CONTROL/delay-once holding a
-number of seconds delays the next read by that much, once (the file is taken by that read). Mounted with direct_io,
+number of seconds delays the next read by that much, once (the file is taken by that read). While CONTROL/block-writes
+exists, every write and fsync waits the same way (a checkpoint's storage that stopped). Mounted with direct_io,
 so that every read reaches this process and none is served from the page cache. Runs until unmounted.
 """
 
@@ -38,6 +39,18 @@ class CommandedPassthrough(SlowPassthrough):
         while (self.control / "block").exists():
             time.sleep(0.05)
         return self._call(os.pread, fh, size, offset)
+
+    def write(self, path, data, offset, fh):
+        self._wait("block-writes")
+        return super().write(path, data, offset, fh)
+
+    def fsync(self, path, datasync, fh):
+        self._wait("block-writes")
+        return super().fsync(path, datasync, fh)
+
+    def _wait(self, name: str) -> None:
+        while (self.control / name).exists():
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ real kernel wait, no mocks. The suite runs as root (mount, unshare, FUSE)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,13 +33,13 @@ def corpus(tmp_path_factory) -> str:
     return trainkit.write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov_text_document")
 
 
-@pytest.fixture
-def hangfs(corpus, tmp_path):
-    """(mountpoint, control): the corpus's directory through hangfs.py."""
-    mnt, control = tmp_path / "fuse", tmp_path / "control"
+@contextlib.contextmanager
+def mounted_hangfs(source: Path, where: Path):
+    """(mountpoint, control): the directory `source` through hangfs.py, mounted under `where`."""
+    mnt, control = where / "fuse", where / "control"
     mnt.mkdir()
     control.mkdir()
-    proc = subprocess.Popen([sys.executable, str(HERE / "hangfs.py"), str(Path(corpus).parent), str(mnt), str(control)],
+    proc = subprocess.Popen([sys.executable, str(HERE / "hangfs.py"), str(source), str(mnt), str(control)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 20
@@ -47,10 +48,18 @@ def hangfs(corpus, tmp_path):
             time.sleep(0.05)
         yield mnt, control
     finally:
-        (control / "block").unlink(missing_ok=True)  # whatever still waits in a read returns
+        for name in ("block", "block-writes"):  # whatever still waits in a read or a write returns
+            (control / name).unlink(missing_ok=True)
         subprocess.run(["umount", "-l", str(mnt)], check=False)
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def hangfs(corpus, tmp_path):
+    """(mountpoint, control): the corpus's directory through hangfs.py."""
+    with mounted_hangfs(Path(corpus).parent, tmp_path) as view:
+        yield view
 
 
 def overrides(corpus: str, out: Path, **extra) -> list[str]:
@@ -60,26 +69,27 @@ def overrides(corpus: str, out: Path, **extra) -> list[str]:
     return trainkit.tiny_overrides(corpus, out, **values)
 
 
-def launch(corpus: str, out: Path, mnt: Path, logs: Path, restarts: int = 0, **extra) -> subprocess.CompletedProcess:
-    """2 gloo ranks; rank 1 reads the corpus through the FUSE mount. Each rank's output in its own file; torchrun
-    starts the ranks again up to `restarts` times when one fails."""
-    wrapper = [str(HERE / "rank_view.py"), "1", f"bind:{mnt}", str(Path(corpus).parent)]
+def launch(corpus: str, out: Path, mnt: Path, logs: Path, restarts: int = 0, view: Path | None = None,
+           **extra) -> subprocess.CompletedProcess:  # fmt: skip
+    """2 gloo ranks; rank 1 sees `view` (the corpus's directory) through the FUSE mount. Each rank's output in its
+    own file; torchrun starts the ranks again up to `restarts` times when one fails."""
+    wrapper = [str(HERE / "rank_view.py"), "1", f"bind:{mnt}", str(view or Path(corpus).parent)]
     options = ["--log-dir", str(logs), "--redirects", "3", f"--max-restarts={restarts}"]
     return trainkit.torchrun(overrides(corpus, out, **extra), 2, timeout=120 * (1 + restarts), check=False,
                              options=options, wrapper=wrapper)  # fmt: skip
 
 
-def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None) -> None:
-    """Block the storage's reads until rank 0 has reported the hang (then a second more), then release them; the
-    time the block began goes into `blocked`."""
-    (control / "block").write_text("")
+def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None, what: str = "block") -> None:
+    """Block the storage's reads (`what` "block-writes": its writes) until rank 0 has reported the hang (then a
+    second more), then release them; the time the block began goes into `blocked`."""
+    (control / what).write_text("")
     if blocked is not None:
         blocked.append(time.monotonic())
     deadline = time.monotonic() + 60
     while not (out / "hang-reported.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1)
-    (control / "block").unlink(missing_ok=True)  # the fixture may have released it first, at the end
+    (control / what).unlink(missing_ok=True)  # the fixture may have released it first, at the end
 
 
 def at_step(out: Path, step: int, then, timeout: float = 90) -> threading.Thread:
@@ -263,3 +273,41 @@ def test_a_hung_job_restarted_by_torchrun_resumes_from_its_last_checkpoint_with_
     assert resumed and "resumed from" in resumed[0].read_text(), ranks
     assert not (out / "hang-reported.json").exists()
     np.testing.assert_array_equal(losses(out), undisturbed)
+
+
+@pytest.mark.slow
+def test_a_hung_checkpoint_write_names_its_rank_and_directory_and_every_rank_exits_for_a_restart(corpus, tmp_path):
+    """Rank 1 sees the checkpoints' directory through hangfs, and its writes block from step 3 until the hang is
+    reported: a save's shards stay unwritten (step 2's or step 4's, whichever is in flight), and the next save waits
+    for them. Within hang_s and a few seconds: rank 0 (its own shards written, waiting in DCP's gather) prints one
+    line naming rank 1 and the checkpoint's .tmp- directory, every rank writes its stacks and exits with
+    HANG_EXIT_CODE, and the hung save is never published."""
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    with mounted_hangfs(checkpoints, tmp_path) as (mnt, control):
+        blocked: list[float] = []
+        at_step(out, 3, lambda: block_until_reported(control, out, blocked, "block-writes"))
+        done = launch(corpus, out, mnt, tmp_path / "logs", view=checkpoints, checkpoint_interval=2)
+        ended = time.monotonic()
+        ranks = trainkit.rank_logs(tmp_path / "logs")
+    codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", done.stderr)
+    assert done.returncode != 0 and blocked, (done.stderr[-3000:], ranks)
+    assert sorted(codes) == [("0", str(HANG_EXIT_CODE)), ("1", str(HANG_EXIT_CODE))], (done.stderr[-3000:], ranks)
+    assert ended - blocked[0] < HANG_S + 30, ended - blocked[0]
+    (line,) = ranks[0].splitlines()
+    assert line.startswith("corpusforge: error: storage hung at step "), line
+    hung = re.search(rf"rank 1 on \S+ writing its shards of the checkpoint of step (\d+) in {checkpoints}/"
+                     r"\.tmp-step_(\d{8}) for [\d.]+ s;", line)  # fmt: skip
+    assert hung and int(hung.group(1)) == int(hung.group(2)) in (2, 4), line
+    assert f"exits with {HANG_EXIT_CODE}" in line and "rank 0 on" not in line, line
+    step = int(re.search(r"at step (\d+)", line).group(1))
+    stuck, waiting = (out / f"hang-step{step}-rank{r}.txt" for r in (1, 0))
+    assert "stuck" in stuck.read_text().splitlines()[0] and "waiting" in waiting.read_text().splitlines()[0]
+    assert "filesystem.py" in stuck.read_text(), stuck.read_text()  # the frame of DCP's writer, in its thread
+    record = json.loads((out / "hang-rank1.json").read_text())
+    assert record["op"] == "write" and record["seconds"] >= HANG_S, record
+    assert not (out / "hang-rank0.json").exists()
+    published = [int(p.name.removeprefix("step_")) for p in checkpoints.glob("step_*")]
+    assert all(s < int(hung.group(1)) for s in published), published  # the hung save is never a checkpoint
+    no_collective_noise(list(ranks.values()))
