@@ -1,6 +1,7 @@
 """parallel.offload = "nvme" when things go wrong, and its step in many chunks: a full or shared offload_dir is one
 line, a state file that does not match what the run wrote is refused, never read; O_DIRECT where the file system
-takes it and buffered I/O where it does not (a real ramfs); the streamed step equals torch's fused AdamW exactly."""
+takes it and buffered I/O where it does not (a real ramfs); the streamed step equals torch's fused AdamW exactly, on
+any thread count."""
 
 from __future__ import annotations
 
@@ -67,6 +68,26 @@ def test_streamed_in_many_chunks_the_step_is_torchs_fused_adamw_exactly(tmp_path
     assert opt.direct_note == ("O_DIRECT" if where == "disk" else "buffered: O_DIRECT is refused here (EINVAL)")
     nbytes = opt.files["master"].nbytes  # each step reads and writes the three files once; the start wrote master
     assert (opt.io["read_bytes"], opt.io["write_bytes"]) == (5 * 3 * nbytes, 5 * 3 * nbytes + nbytes)
+
+
+@pytest.mark.parametrize("update_threads, reference_threads", [(1, 2), (2, 1)])
+def test_the_update_on_another_thread_count_is_torchs_fused_adamw_exactly(tmp_path, update_threads, reference_threads):
+    """The update runs on `update_threads` (by default one fewer than torch's, a core left to the reader and writer);
+    the kernel's results do not depend on its thread count, so they equal torch's fused AdamW on another count, and
+    torch's own count is given back after each step."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(reference_threads)
+        reference = model()
+        expected = train_steps(reference, torch.optim.AdamW(groups(reference), lr=1e-2, betas=(0.9, 0.95), fused=True))
+        mine = model()
+        opt = nvme(mine, tmp_path / "rank_00000", chunk_bytes=8192, update_threads=update_threads)
+        got = train_steps(mine, opt)
+        assert torch.get_num_threads() == reference_threads
+        assert f"the update on {update_threads} thread(s)" in opt.notes[0]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_the_state_dict_is_the_in_memory_adamws(tmp_path):
