@@ -4,11 +4,16 @@ and writes on the same disk (target: at least 80%), and the step's cost against 
     python benchmarks/bench_offload.py [--path DIR] [--values 64e6] [--repeats 3] [--train]
 
 Three measurements, alternated `repeats` times, medians reported:
-  disk    bench-io seq-write, seq-read and offload (8 MiB requests, O_DIRECT) on DIR;
+  disk    bench-io seq-write, seq-read and offload on DIR, measured as the step moves its bytes: requests of the
+          step's chunk size (CHUNK), one at a time per direction (the step's reader and writer are one thread each),
+          O_DIRECT where the file system takes it (the run stops if bench-io and the step did not make the same
+          choice), the same number of bytes (one file of 3 x 4 bytes per value; the step has three);
   step    NvmeAdamW.step() over `values` fp32 parameter values in DIR (3 x 4 bytes each read and written per step) and
           torch.optim.AdamW(fused=True).step() over the same values in memory; the disk's share of the nvme step is
           compared with the time bench-io's sequential figures give for the same bytes:
               efficiency = (read_bytes / seq_read + written_bytes / seq_write) / step_seconds
+          and, in the same repeat, the nvme step with its update on all of torch's threads (as before commit 9f5afd9,
+          where the update starved the reader and writer threads of a small machine);
   train   (--train) corpusforge train step time of a small Llama with offload none and nvme (metrics step_s).
 Writes benchmarks/results/offload-<date>.json with the machine, versions, commit and load averages.
 """
@@ -34,11 +39,12 @@ from corpusforge.iobench.runner import run_bench
 from corpusforge.train.offload import NvmeAdamW
 
 HERE = Path(__file__).resolve().parent
+CHUNK = 8 * MiB  # the step's chunk of each file (NvmeAdamW's default) and bench-io's request size
 
 
 def disk_figures(path: Path, file_size: int) -> dict[str, float]:
     """MB/s of bench-io's seq-write, seq-read and the offload pattern's read, write and combined rows."""
-    config = BenchConfig(paths=(str(path),), patterns=("seq-write", "seq-read", "offload"), block_sizes=(8 * MiB,),
+    config = BenchConfig(paths=(str(path),), patterns=("seq-write", "seq-read", "offload"), block_sizes=(CHUNK,),
                          file_size=file_size, duration=120.0)  # fmt: skip
     rows = run_bench(config).results
     return {f"{r.pattern}:{r.phase}": r.mb_s for r in rows} | {"cache": rows[-1].cache}
@@ -68,21 +74,31 @@ def time_steps(opt: torch.optim.Optimizer, steps: int) -> list[float]:
     return times
 
 
-def step_figures(path: Path, values: int, steps: int) -> dict[str, float]:
-    """Median seconds of an nvme step and an in-memory step over the same parameters, and the nvme step's bytes."""
+def nvme_step(ps: list[torch.nn.Parameter], directory: Path, steps: int, update_threads: int | None) -> tuple:
+    """(median step seconds, NvmeAdamW's io counters, its O_DIRECT note, bytes of one file, its update threads)."""
+    nvme = NvmeAdamW([{"params": ps}], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, directory=directory,
+                     chunk_bytes=CHUNK, update_threads=update_threads)  # fmt: skip
+    times = time_steps(nvme, steps + 1)[1:]  # the first writes the master file from the parameters
+    out = (statistics.median(times), dict(nvme.io), nvme.direct_note, nvme.files["master"].nbytes, nvme.update_threads)
+    nvme.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def step_figures(path: Path, values: int, steps: int, repeat: int) -> dict[str, float]:
+    """Median seconds of an nvme step with its update on NvmeAdamW's default threads and on all of torch's ("all_s";
+    the two in turn, which first alternating with `repeat`) and of an in-memory step over the same parameters, and
+    the nvme step's bytes."""
     ps = params(values)
     memory = torch.optim.AdamW(ps, lr=1e-4, fused=True)
     memory_s = statistics.median(time_steps(memory, steps + 1)[1:])  # the first allocates the moments
     del memory
-    directory = path / "offload-bench"
-    nvme = NvmeAdamW([{"params": ps}], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, directory=directory)
-    nvme_times = time_steps(nvme, steps + 1)[1:]  # the first writes the master file from the parameters
-    io = dict(nvme.io)
-    note = nvme.direct_note
-    nvme.close()
-    shutil.rmtree(directory, ignore_errors=True)
-    per_step = 3 * nvme.files["master"].nbytes
-    return {"nvme_step_s": statistics.median(nvme_times), "memory_step_s": memory_s, "read_bytes": per_step,
+    variants = [None, torch.get_num_threads()][:: 1 if repeat % 2 == 0 else -1]
+    got = {v: nvme_step(ps, path / "offload-bench", steps, v) for v in variants}
+    nvme_s, io, note, nbytes, threads = got[None]
+    per_step = 3 * nbytes
+    return {"nvme_step_s": nvme_s, "memory_step_s": memory_s, "all_s": got[torch.get_num_threads()][0],
+            "update_threads": threads, "torch_threads": torch.get_num_threads(), "read_bytes": per_step,
             "write_bytes": per_step, "io": note, "io_total": io}  # fmt: skip
 
 
@@ -131,7 +147,9 @@ def main() -> None:
         for k in range(args.repeats):
             load_before = os.getloadavg()
             disk = disk_figures(root, file_size=(3 * values * 4) // (8 * MiB) * (8 * MiB))
-            step = step_figures(root, values, args.steps)
+            step = step_figures(root, values, args.steps, k)
+            if (disk["cache"] == "O_DIRECT") != (step["io"] == "O_DIRECT"):
+                sys.exit(f"{root}: bench-io measured {disk['cache']} but the step ran {step['io']}: not comparable")
             runs.append({"repeat": k, "disk": disk, "step": step, "load_before": load_before,
                          "load_after": os.getloadavg()})  # fmt: skip
             expected = step["read_bytes"] / (disk["seq-read:read"] * 1e6) + step["write_bytes"] / (
@@ -140,8 +158,9 @@ def main() -> None:
             runs[-1]["efficiency"] = expected / step["nvme_step_s"]
             d, st = disk, step
             print(f"repeat {k}: seq-read {d['seq-read:read']:.0f} MB/s, seq-write {d['seq-write:write']:.0f} MB/s, "
-                  f"offload pattern {d['offload:step']:.0f} MB/s | nvme step {st['nvme_step_s']:.3f} s (in memory "
-                  f"{st['memory_step_s']:.3f} s), efficiency {runs[-1]['efficiency']:.0%} | load "
+                  f"offload pattern {d['offload:step']:.0f} MB/s | nvme step {st['nvme_step_s']:.3f} s (update on "
+                  f"all threads {st['all_s']:.3f} s, in memory {st['memory_step_s']:.3f} s), "
+                  f"efficiency {runs[-1]['efficiency']:.0%} | load "
                   f"{load_before[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
         train = train_figures(root) if args.train else {}
     finally:
@@ -158,6 +177,9 @@ def main() -> None:
         "memory_step_s": med(lambda r: r["step"]["memory_step_s"]),
         "nvme_step_disk_mb_s": med(lambda r: 2 * r["step"]["read_bytes"] / r["step"]["nvme_step_s"] / 1e6),
         "efficiency_vs_bench_io_seq": med(lambda r: r["efficiency"]),
+        "nvme_all_threads_step_s": med(lambda r: r["step"]["all_s"]),
+        "efficiency_all_threads": med(lambda r: r["efficiency"] * r["step"]["nvme_step_s"] / r["step"]["all_s"]),
+        "load_1min": med(lambda r: r["load_before"][0]),
         "state_bytes_per_step": runs[0]["step"]["read_bytes"],
         **train,
     }
