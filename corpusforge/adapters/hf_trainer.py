@@ -71,13 +71,11 @@ class TrainerSamples:
     def __getitems__(self, ids: Sequence[int]) -> list[dict[str, Any]]:
         """Samples `ids` read with one gather, one dict per sample (views of the batch's tensors, which
         collate_rows hands back as they are)."""
-        from corpusforge.adapters.sample_rows import sample_rows, widened
+        from corpusforge.adapters.sample_rows import sample_rows, widened_targets
 
         batch = self.dataset.get_batch(np.asarray(ids, dtype=np.int64))
-        input_ids, targets, positions = widened(batch["tokens"], batch["labels"], batch["position_ids"])
-        loss_mask = batch["loss_mask"]
-        if loss_mask.min() == 0:  # a reduction costs less than the comparison, which most batches then skip
-            targets.numpy()[loss_mask == 0] = IGNORE_INDEX
+        fields = (batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        input_ids, targets, positions = widened_targets(*fields, ignore_index=IGNORE_INDEX)
         fields = {"input_ids": input_ids, "labels": targets, "shift_labels": targets, "position_ids": positions}
         return sample_rows(fields)
 

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
+from corpusforge.jit import njit, ready, started
+
 
 class SampleRow(Mapping):
     """Row `index` of `batch` (a dict of (B, ...) tensors or numpy arrays) as a read-only mapping of its fields:
@@ -106,11 +108,41 @@ def widened(*fields: np.ndarray) -> list[Any]:
         >>> [t.dtype for t in widened(np.zeros((2, 4), np.int32), np.zeros((2, 4), np.int32))]
         [torch.int64, torch.int64]
     """
-    out = torch.empty((len(fields), *fields[0].shape), dtype=torch.int64)
-    block = out.numpy()
+    block = np.empty((len(fields), *fields[0].shape), np.int64)  # numpy's allocation: ~4 us a batch less than torch's
     for k, field in enumerate(fields):
         block[k] = field
-    return list(out.unbind(0))
+    return list(torch.from_numpy(block).unbind(0))  # one storage: a DataLoader worker sends it as one segment
+
+
+def widened_targets(
+    tokens: np.ndarray, labels: np.ndarray, loss_mask: np.ndarray, *more: np.ndarray, ignore_index: int = -100
+) -> list[Any]:
+    """widened(tokens, labels, *more) with `ignore_index` in labels where loss_mask is 0 (the targets transformers'
+    and torchtitan's cross-entropy skip), tokens and targets made in one compiled pass: a separate scan of the
+    loss mask for zeros cost as much as a field's copy here.
+
+    Example:
+        >>> widened_targets(np.ones((1, 3), np.int32), np.ones((1, 3), np.int32), np.array([[1, 0, 1]], np.float32))[1]
+        tensor([[   1, -100,    1]])
+    """  # fmt: skip
+    block = np.empty((2 + len(more), *tokens.shape), np.int64)
+    if ready(_widen_targets) or started():  # numba is up in this process (the dataset's reads start it)
+        _widen_targets(tokens, labels, loss_mask, ignore_index, block)
+    else:
+        block[0], block[1] = tokens, labels
+        np.copyto(block[1], ignore_index, where=loss_mask == 0)
+    for k, field in enumerate(more):
+        block[2 + k] = field
+    return list(torch.from_numpy(block).unbind(0))
+
+
+@njit(nogil=True)
+def _widen_targets(tokens, labels, loss_mask, ignore_index, out) -> None:
+    """out[0] = tokens, out[1] = labels or ignore_index where loss_mask is 0 ((B, S) each)."""
+    for b in range(tokens.shape[0]):
+        for c in range(tokens.shape[1]):
+            out[0, b, c] = tokens[b, c]
+            out[1, b, c] = labels[b, c] if loss_mask[b, c] != 0 else ignore_index
 
 
 def torch_view(array: np.ndarray) -> Any:

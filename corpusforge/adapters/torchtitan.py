@@ -169,13 +169,11 @@ def to_torchtitan(batch: dict[str, torch.Tensor], positions: bool = False) -> tu
     Example:
         >>> inputs, labels = to_torchtitan(next(iter(loader)))
     """
-    from corpusforge.adapters.sample_rows import widened
+    from corpusforge.adapters.sample_rows import widened_targets
 
-    names = ("tokens", "labels", "position_ids") if positions else ("tokens", "labels")
-    tokens, labels, *position_ids = widened(*(batch[k].numpy() for k in names))  # one int64 storage
-    loss_mask = batch["loss_mask"]
-    if float(loss_mask.min()) == 0:  # a reduction costs a fifth of the comparison, which most batches then skip
-        labels.masked_fill_(loss_mask.logical_not(), IGNORE_INDEX)
+    more = (batch["position_ids"].numpy(),) if positions else ()
+    fields = (batch[k].numpy() for k in ("tokens", "labels", "loss_mask"))
+    tokens, labels, *position_ids = widened_targets(*fields, *more, ignore_index=IGNORE_INDEX)  # one int64 storage
     inputs = {"input": tokens}
     if positions:
         inputs["positions"] = position_ids[0]

@@ -91,3 +91,22 @@ def test_numpy_fields_collate_as_torch_collates_their_scalars():
     assert isinstance(rows[0]["dataset_id"], np.int16)
     for chosen in (rows, rows[::-1]):
         assert_same(default_collate(chosen), stacked(chosen))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_widened_targets_mask_where_the_loss_mask_is_zero(monkeypatch, compiled):
+    """The compiled pass and the numpy one (before numba has started in a process) give the same int64 fields."""
+    import corpusforge.adapters.sample_rows as rows
+
+    if not compiled:
+        monkeypatch.setattr(rows, "started", lambda: False)
+        monkeypatch.setattr(rows, "ready", lambda kernel: False)
+    rng = np.random.default_rng(0)
+    for dtype in (np.int32, np.uint16):
+        tokens, labels, positions = (rng.integers(0, 60000, (3, 40)).astype(dtype) for _ in range(3))
+        loss_mask = (rng.random((3, 40)) < 0.7).astype(np.float32)
+        got = rows.widened_targets(tokens, labels, loss_mask, positions, ignore_index=-100)
+        expected = [tokens, np.where(loss_mask > 0, labels.astype(np.int64), -100), positions]
+        assert len(got) == 3 and got[0].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()
+        for g, e in zip(got, expected):
+            assert g.dtype == torch.int64 and np.array_equal(g.numpy(), e)
