@@ -157,6 +157,38 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = 
         f.write(data)
 
 
+def write_at_atomic(dir_fd: int, name: str, *buffers: Any, where: str | os.PathLike = "") -> int:
+    """Write `buffers` to `name` in the open directory `dir_fd` whole or not at all, as atomic_write does (a
+    temporary name beside it, renamed), without the fsyncs (the caller makes many files durable at once: one
+    syncfs) and without atomic_write's per-file Python (a file object, pathlib, two context managers: ~25 us a
+    file, a quarter of creating a small file here): one writev. Returns the bytes; an error names `where`/name.
+
+    Example:
+        >>> fd = os.open("cache", os.O_RDONLY | os.O_DIRECTORY)
+        >>> write_at_atomic(fd, "a.npy", header, memoryview(array), where="cache")  # doctest: +SKIP
+    """
+    tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+        try:
+            size = sum(memoryview(b).nbytes for b in buffers)
+            done = os.writev(fd, buffers)
+            if done < size:  # a short write (a signal, a huge buffer): the rest, one write at a time
+                rest = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))[done:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), os.path.join(where, name)) from e
+        raise
+    return size
+
+
 def write_json_atomic(
     path: str | os.PathLike,
     data: Any,
