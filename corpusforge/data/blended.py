@@ -33,6 +33,11 @@ from corpusforge.data.gpt_dataset import GPTDataset, prefetch_upcoming
 from corpusforge.errors import ArgumentError
 from corpusforge.jit import njit
 
+try:
+    from corpusforge import _blend
+except ImportError:  # not built (a source checkout without pip install): _fill_blocks in numba, the same indices
+    _blend = None
+
 # ---------------------------------------------------------------------------------------------------------------
 # the blend list
 
@@ -185,6 +190,15 @@ def _fill_blocks(dataset_index, dataset_sample_index, weights, limits, size):  #
         i = stop
 
 
+def _fill(dataset_index, dataset_sample_index, weights, limits, size) -> None:
+    """_fill_blocks in plain C (corpusforge/_blend.c: no numba start-up, ~0.5-1 s of CPU in a fresh process) where
+    it is built, else in numba."""
+    if _blend is not None:
+        _blend.fill_blocks(dataset_index, dataset_sample_index, weights, limits)
+    else:
+        _fill_blocks(dataset_index, dataset_sample_index, weights, limits, size)
+
+
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16, dataset_sample_index int64) of a blend of `size` samples with normalised weights.
 
@@ -196,7 +210,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     dataset_sample_index = np.zeros(size, dtype=np.int64)
     if size:
         w = np.asarray(weights, dtype=np.float64)
-        _fill_blocks(dataset_index, dataset_sample_index, w, np.full(len(w), np.iinfo(np.int64).max), size)
+        _fill(dataset_index, dataset_sample_index, w, np.full(len(w), np.iinfo(np.int64).max), size)
     return dataset_index, dataset_sample_index
 
 
@@ -213,7 +227,7 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray,
     dataset_sample_index = np.zeros(total, dtype=np.int64)
     if total:
         weights = sizes_arr / float(total)  # helpers.cpp: build_exhaustive_blending_indices
-        _fill_blocks(dataset_index, dataset_sample_index, weights, sizes_arr, total)
+        _fill(dataset_index, dataset_sample_index, weights, sizes_arr, total)
     return dataset_index, dataset_sample_index
 
 
@@ -239,7 +253,12 @@ class BlendedDataset:
         weights: Sequence[float],
         size: int | None,
         cache: IndexCache | None = None,
+        *,
+        prebuilt: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
+        """`prebuilt`: build_blending_indices(normalize(weights), size) built beforehand (prepare-cache builds them
+        on a thread while it builds the datasets: they depend on the weights and the size only); checked against
+        the datasets' lengths as a build here is."""
         if not datasets or len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         if len(datasets) >= 32767:  # the dataset index is int16
@@ -256,8 +275,9 @@ class BlendedDataset:
             "weights": self.weights,
             "size": size,
         }
+        build = self._build if prebuilt is None else lambda: self._checked(*prebuilt)
         arrays, self.built = (cache or IndexCache(None)).get_or_build(
-            f"BlendedDataset-{self.split}", self.description, self._build
+            f"BlendedDataset-{self.split}", self.description, build
         )
         self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
 
@@ -266,6 +286,12 @@ class BlendedDataset:
             dataset_index, sample_index = build_blending_indices(self.weights, self.size)
         else:
             dataset_index, sample_index = build_exhaustive_blending_indices(self.weights)
+        return self._checked(dataset_index, sample_index)
+
+    def _checked(self, dataset_index: np.ndarray, sample_index: np.ndarray) -> dict[str, np.ndarray]:
+        """The blending indices, refused where they take more samples from a dataset than it holds."""
+        if len(dataset_index) != (self.size if self.size is not None else sum(self.weights)):
+            raise ValueError(f"{len(dataset_index)} blending indices for a blend of {self.size} samples")
         counts = np.bincount(dataset_index, minlength=len(self.datasets))
         for d, (count, ds) in enumerate(zip(counts, self.datasets)):
             if count > len(ds):  # BlendedDataset._build_indices raises the same
