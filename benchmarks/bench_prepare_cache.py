@@ -12,10 +12,11 @@ goes first, writing into an empty cache directory:
 - corpusforge: prepare_megatron_cache with the same arguments (temporary names and renames; with --fsync, the
   default, a syncfs before the descriptions and after them).
 
-Timed from the first line of work to the files complete (imports timed apart; wall and CPU time, user + system
-of every thread: on a loaded machine the CPU time is the steadier figure), and the whole process's wall time as
-the parent sees it. The last round checks that both directories hold the same file names with the same bytes.
-Prints a table (medians, load average before and after each run) and writes JSON.
+Timed from the first line of work to the files complete (imports timed apart: each side the modules its builder
+uses, megatron-core's dataset modules, corpusforge's blended, gpt_dataset, storage.datasets and prepare_cache; wall
+and CPU time, user + system of every thread: on a loaded machine the CPU time is the steadier figure), and the whole
+process's wall time as the parent sees it. The last round checks that both directories hold the same file names
+with the same bytes. Prints a table (medians, load average before and after each run) and writes JSON.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def child(side: str, spec: dict) -> dict:
         torch.distributed.get_rank = lambda *a, **k: 0  # its BlendedDataset asks even without a process group
         import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
         import megatron.core.datasets.gpt_dataset  # noqa: F401
-    else:
+    else:  # the modules its build uses, as for megatron-core (prepare_cache imports them where used, for --help)
+        import corpusforge.data.blended  # noqa: F401
+        import corpusforge.data.gpt_dataset  # noqa: F401
         import corpusforge.data.prepare_cache  # noqa: F401
+        import corpusforge.storage.datasets  # noqa: F401
     imported = time.perf_counter() - t0
     blend = blend_list(make_datasets(Path(spec["work"]), spec["datasets"], spec["docs"]))
     cache = Path(spec["cache"])

@@ -57,7 +57,7 @@ import numpy as np
 
 from corpusforge.data.cache import CacheMismatchError, describe_dataset, describe_differences, wait_for_index_caches
 from corpusforge.errors import ArgumentError
-from corpusforge.fsutil import atomic_write, fsync_dir, fsync_path, remove_leftovers, write_json_atomic
+from corpusforge.fsutil import fsync_dir, fsync_path, remove_leftovers, write_at_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from corpusforge.data.blended import BlendedDataset
@@ -367,7 +367,10 @@ def prepare_megatron_cache(
     indexed = open_datasets(prefixes)  # every missing file is reported before any work
     stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)))
     writer = _Writer(Path(config.data_cache_path), stats, config.durable, progress)
-    with writer:
+    # One thread builds the blends' indices (a compiled kernel that releases the GIL) while this one builds the
+    # datasets: they depend on the weights and the sizes only.
+    blender = ThreadPoolExecutor(1, thread_name_prefix="prepare-cache-blend")
+    with writer, blender:
 
         def gpt(d: int, split: int, bounds: tuple[int, int], num_samples: int | None) -> tuple[GPTDataset, str]:
             part = GPTDataset(indexed[d], SPLIT_NAMES[split], bounds, num_samples, gpt_config)
@@ -383,11 +386,11 @@ def prepare_megatron_cache(
                 if bounds is not None:
                     gpt(0, s, bounds, sizes[s])
         else:
-            # Not the blend's kernel first: with numba started, each dataset's build would load two more compiled
-            # kernels (measured here: ~2.3 s of loading, against ~1.3 s for the 2,500 numpy builds they replace).
+            blending: dict[int, Any] = {}
             if weights is not None:
                 weights = normalize(weights)
                 buffer = [samples_per_dataset(weights, n, config.mid_level_dataset_surplus) for n in sizes]
+                blending = _start_blending(config.split, weights, sizes, blender)
             parts: list[list[tuple[GPTDataset, str]]] = [[], [], []]
             for d, ds in enumerate(indexed):
                 for s, bounds in enumerate(split_ranges(config.split, len(ds))):
@@ -397,7 +400,9 @@ def prepare_megatron_cache(
                 if not made:
                     continue
                 if weights is not None:
-                    blend = BlendedDataset([p for p, _ in made], weights, sum(samples_per_dataset(weights, sizes[s])))
+                    prebuilt = blending[s].result() if s in blending else None
+                    size = sum(samples_per_dataset(weights, sizes[s]))
+                    blend = BlendedDataset([p for p, _ in made], weights, size, prebuilt=prebuilt)
                 else:
                     lengths = [len(p) for p, _ in made]
                     blend = BlendedDataset([p for p, _ in made], lengths, min(sizes[s], sum(lengths)))
@@ -407,6 +412,19 @@ def prepare_megatron_cache(
         stats.build_seconds = round(time.perf_counter() - t0, 3)
     stats.seconds = round(time.perf_counter() - t0, 3)
     return stats
+
+
+def _start_blending(split: str, weights: list[float], sizes: Sequence[int], pool: ThreadPoolExecutor) -> dict[int, Any]:
+    """split -> the future of its blending indices (build_blending_indices), for every split the split string
+    gives a weight, started on `pool`."""
+    from corpusforge.data.blended import build_blending_indices, samples_per_dataset
+    from corpusforge.data.gpt_dataset import split_ranges
+
+    out = {}
+    for s, bounds in enumerate(split_ranges(split, 1 << 30)):  # which splits exist does not depend on the size
+        if bounds is not None:
+            out[s] = pool.submit(build_blending_indices, weights, sum(samples_per_dataset(weights, sizes[s])))
+    return out
 
 
 _ARRAY_NAMES = {
@@ -420,8 +438,8 @@ class _Writer:
     builds the next entries; on leaving the block (durable) a syncfs, then the descriptions, then a syncfs again.
     An entry built for other data than today's is refused before its files are written.
 
-    The threads: creating a small file costs ~1 ms of metadata work in the kernel here (ext4 under load; more on a
-    network file system) and ~60 us of Python; threads overlap the waits."""
+    Each file is written whole or not at all (fsutil.write_at_atomic: a temporary name in the directory, renamed),
+    by name relative to one open directory; one task per entry (an executor's task costs ~30 us of Python)."""
 
     def __init__(self, directory: Path, stats: CacheStats, durable: bool, progress: Callable | None) -> None:
         self.directory, self.stats, self.durable, self.progress = directory, stats, durable, progress
@@ -429,10 +447,11 @@ class _Writer:
         remove_leftovers(directory)  # the temporaries of a killed run
         self.names = set(os.listdir(directory))  # one listing, not 10,000 stats
         self.recorded = _read_records(directory / ".corpusforge")
+        self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         self.pool = ThreadPoolExecutor(_WRITERS, thread_name_prefix="prepare-cache")
         self.pending: list[Any] = []
-        self.arrays: list[Path] = []
-        self.descriptions: list[tuple[Path, str]] = []
+        self.arrays: list[str] = []
+        self.descriptions: list[tuple[str, str]] = []
         self.fresh: dict[str, Any] = {}
         self.done = 0
 
@@ -450,24 +469,22 @@ class _Writer:
         self.stats.found_files += len(wanted) - len(missing) + (desc in self.names and not missing)
         if missing:
             arrays = entry.arrays()
-            for name in missing:
-                path = self.directory / name
-                self.arrays.append(path)
-                self.pending.append(self.pool.submit(self._write, path, arrays[name[len(entry.base) + 1 : -4]]))
+            jobs = [(name, arrays[name[len(entry.base) + 1 : -4]]) for name in missing]
+            self.arrays += missing
+            self.pending.append(self.pool.submit(self._write_all, jobs))
         if desc not in self.names or missing:
-            self.descriptions.append((self.directory / desc, entry.description))
+            self.descriptions.append((desc, entry.description))
 
-    def _write(self, path: Path, content: np.ndarray | str) -> int:
+    def _write_all(self, jobs: list[tuple[str, np.ndarray | str]]) -> int:
+        return sum(self._write(name, content) for name, content in jobs)
+
+    def _write(self, name: str, content: np.ndarray | str) -> int:
         if isinstance(content, str):
-            data = content.encode()
-            if path.exists():
-                path.unlink()  # its arrays were rewritten: it stops counting as complete before they are
-            with atomic_write(path, durable=False) as f:
-                f.write(data)
-            size = len(data)
+            if name in self.names:  # its arrays were rewritten: it stops counting as complete before they are
+                os.unlink(name, dir_fd=self.dir_fd)
+            size = write_at_atomic(self.dir_fd, name, content.encode(), where=self.directory)
         else:
-            with atomic_write(path, durable=False) as f:
-                size = _save_npy(f, content)
+            size = write_at_atomic(self.dir_fd, name, *_npy_buffers(content), where=self.directory)
         self.done += 1  # for the progress line only (threads: a count may be lost)
         if self.progress is not None:
             self.progress("writing", self.done, len(self.arrays) + len(self.descriptions))
@@ -489,18 +506,22 @@ class _Writer:
             if self.durable and self.arrays:
                 _sync(self.directory, self.arrays)
             # Last: megatron-core takes an entry whose files all exist as complete, so its description goes last.
-            written += sum(self.pool.map(lambda job: self._write(*job), self.descriptions))
+            chunk = 1 + len(self.descriptions) // (4 * _WRITERS)  # a few tasks per thread, not one per file
+            batches = [self.descriptions[i : i + chunk] for i in range(0, len(self.descriptions), chunk)]
+            written += sum(self.pool.map(self._write_all, batches))
             if self.durable and self.descriptions:
-                _sync(self.directory, [p for p, _ in self.descriptions])
+                _sync(self.directory, [name for name, _ in self.descriptions])
             self.stats.written_files = len(self.arrays) + len(self.descriptions)
             self.stats.written_bytes = written
         finally:
             self.pool.shutdown(wait=True, cancel_futures=kind is not None)
+            os.close(self.dir_fd)
 
 
-# Threads that write the cache files. Measured here (ext4, a loaded machine): 3,000 small files through atomic_write
-# in 10.9 s from one thread, 6.2 s from 8, 1.8 s from 32 (the creates and renames wait on the journal, not the CPU).
-_WRITERS = 32
+# Threads that write the cache files. Creating a small file is ~100-200 us of kernel time here (ext4, a loaded
+# machine), mostly CPU: a few threads overlap it with the builds on the main thread; more (32 before) spun on the
+# directory's lock (10,000 files: 2-4 s of system time against 1-1.5 s from one to four threads).
+_WRITERS = 4
 
 
 def _read_records(directory: Path) -> dict[str, Any]:
@@ -514,14 +535,12 @@ def _read_records(directory: Path) -> dict[str, Any]:
     return out
 
 
-def _save_npy(f: Any, array: np.ndarray) -> int:
-    """np.save(f, array) as megatron-core calls it: the 1.0 header, then the array's bytes; returns the bytes."""
+def _npy_buffers(array: np.ndarray) -> tuple[bytes, memoryview]:
+    """np.save(f, array)'s bytes as megatron-core calls it: the 1.0 header, then the array's bytes."""
     array = np.ascontiguousarray(array)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-    f.write(header.getvalue())
-    f.write(memoryview(array.reshape(-1).view(np.uint8)))
-    return len(header.getvalue()) + array.nbytes
+    return header.getvalue(), memoryview(array.reshape(-1).view(np.uint8))
 
 
 def _check_data(recorded: Any, entry: _Entry, directory: Path) -> None:
@@ -536,9 +555,9 @@ def _check_data(recorded: Any, entry: _Entry, directory: Path) -> None:
         )
 
 
-def _sync(directory: Path, paths: list[Path]) -> None:
-    """Make `paths` and their directories durable: one syncfs(2) of the file system (one journal commit for
-    thousands of small files), else an fsync of each in a few threads."""
+def _sync(directory: Path, names: list[str]) -> None:
+    """Make the files `names` of `directory` and the directory durable: one syncfs(2) of the file system (one
+    journal commit for thousands of small files), else an fsync of each in a few threads."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         if _syncfs(fd):
@@ -546,9 +565,8 @@ def _sync(directory: Path, paths: list[Path]) -> None:
     finally:
         os.close(fd)
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(fsync_path, paths))
-    for parent in {p.parent for p in paths}:
-        fsync_dir(parent)
+        list(pool.map(fsync_path, [directory / name for name in names]))
+    fsync_dir(directory)
 
 
 def _syncfs(fd: int) -> bool:

@@ -241,3 +241,26 @@ def dataclasses_replace(config, **changes):
     import dataclasses
 
     return dataclasses.replace(config, **changes)
+
+
+def test_blend_kernel_in_c_equals_its_numba_twin():
+    """corpusforge/_blend.c (built by pip install) and blended._fill_blocks (numba: the fallback where it is not
+    built) give the same blending indices, for weights with ties, near-ties and spreads, and for exhaustive blends
+    where datasets leave the race; test_parity.py checks whichever is in use against helpers.cpp."""
+    from corpusforge.data import blended
+
+    if blended._blend is None:
+        pytest.skip("corpusforge._blend is not built (pip install -e . builds it)")
+    rng = np.random.default_rng(3)
+    for k, size in ((1, 50), (2, 999), (7, 5000), (64, 20_000), (700, 40_000)):
+        for weights in (rng.uniform(0.5, 1.5, k), np.ones(k), 1.0 + rng.integers(0, 3, k) * 2.0**-52,
+                        np.exp(rng.uniform(-9, 0, k))):  # fmt: skip
+            for limits, n in ((np.full(k, np.iinfo(np.int64).max), size), (rng.integers(1, 60, k), None)):
+                n = int(limits.sum()) if n is None else n
+                w = np.asarray(blended.normalize(weights) if n == size else limits / float(n))
+                ours = np.zeros(n, np.int16), np.zeros(n, np.int64)
+                blended._blend.fill_blocks(*ours, w, limits.astype(np.int64))
+                twin = np.zeros(n, np.int16), np.zeros(n, np.int64)
+                blended._fill_blocks(*twin, w, limits.astype(np.int64), n)
+                np.testing.assert_array_equal(ours[0], twin[0], err_msg=f"{k} datasets, {n} samples")
+                np.testing.assert_array_equal(ours[1], twin[1])
