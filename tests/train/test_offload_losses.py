@@ -96,7 +96,7 @@ def test_cpu_offload_in_one_process_is_fsdp2_on_a_world_of_one(corpus, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed", [("nvme", "none"), ("none", "nvme")])
+@pytest.mark.parametrize("saved, resumed", [("nvme", "none"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")])
 def test_a_checkpoint_resumes_into_the_other_placement(corpus, one_process, tmp_path, saved, resumed):
     """The step-10 checkpoint of one placement, resumed by the other: steps 11-20 are the uninterrupted run's."""
     source = one_process["gpt2", saved]
