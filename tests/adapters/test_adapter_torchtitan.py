@@ -71,6 +71,16 @@ def test_batches_are_corpusforge_loaders(data, reset_position_ids):
     assert masked > 0  # the blend has end-of-document tokens: the masking was exercised
 
 
+def test_batches_read_by_workers_are_the_same(data):
+    """With DataLoader workers (which send the raw text, assembled into torchtitan's fields in this process)."""
+    here = list(build(data, 1, 2, reset_position_ids=True))
+    read_by_workers = list(build(data, 1, 2, reset_position_ids=True, num_workers=2))
+    assert len(here) == len(read_by_workers) == 400 // (2 * MBS)
+    for (inputs, labels), (theirs, their_labels) in zip(read_by_workers, here):
+        assert list(inputs) == list(theirs) == ["input", "positions"] and torch.equal(labels, their_labels)
+        assert all(inputs[k].dtype == torch.int64 and torch.equal(inputs[k], theirs[k]) for k in inputs)
+
+
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory) -> Path:
     """A 2-rank torchtitan checkpoint run SIGKILLed after saving, then resumed by a new 2-rank launch."""
