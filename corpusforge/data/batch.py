@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,11 +52,27 @@ class RawBatch:
     dataset_id: np.ndarray | None = None
     """(B,) int32: for a blend, the dataset each sample came from."""
 
-    cu_seqlens: np.ndarray | None = None
-    """(B, S + 1) int32: with document_boundaries, where each sample's documents start, then S, padded with S."""
+    boundaries: np.ndarray | None = None
+    """(B, K) int32, K <= S + 1: with document_boundaries, where each sample's documents start, then S, padded with S:
+    Megatron's cu_seqlens cut to the K columns the batch's samples use (a dataset's read_raw sends ~3 of 2,049, not
+    64 KiB of padding through the worker's pipe); assemble pads them to S + 1. K = S + 1 is Megatron's own layout."""
 
     max_seqlen: np.ndarray | None = None
     """(B,) int32: with document_boundaries, each sample's longest document."""
+
+    @property
+    def cu_seqlens(self) -> np.ndarray | None:
+        """(B, S + 1) int32: the boundaries in Megatron's layout, padded with S (S: the last column of boundaries,
+        which holds S for every sample)."""
+        cut = self.boundaries
+        if cut is None or len(cut) == 0:
+            return cut
+        s = int(cut[0, -1])
+        if cut.shape[1] == s + 1:
+            return cut
+        padded = np.full((len(cut), s + 1), s, np.int32)
+        padded[:, : cut.shape[1]] = cut
+        return padded
 
 
 def assemble(
@@ -70,7 +87,7 @@ def assemble(
         torch.Size([2, 4])
     """
     b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
-    if raw.cu_seqlens is not None:
+    if raw.boundaries is not None:
         return _assemble_with_boundaries(raw, config, as_torch, pin_memory)
     if getattr(config, "document_boundaries", False):  # never a batch without the boundaries it was asked for
         raise ValueError(
@@ -101,69 +118,103 @@ def _assemble_with_boundaries(raw: RawBatch, config: GPTDatasetConfig, as_torch:
     one storage as torch tensors), position ids restarting at each document."""
     b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
     if as_torch and raw.dataset_id is None:
-        torch = _torch()
-        flat = torch.empty(b * (5 * s + 2), dtype=torch.int32, pin_memory=pin_memory)
-        _fill_bounded(raw.text, kernel_options(config, raw.maybe_padded), raw.cu_seqlens, raw.max_seqlen, flat.numpy())
-        block, cu_seqlens, max_seqlen = boundary_views(flat, b, s)
-        return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        block = bounded_block(b, s, pin_memory)
+        _fill_bounded(raw.text, kernel_options(config, raw.maybe_padded), raw.boundaries, raw.max_seqlen, block.numpy())
+        return bounded_fields(block, b, s)
     array = np.empty((4, b, s), np.int32)
     fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
-    reset_positions(raw.cu_seqlens, array[3])
+    reset_positions(raw.boundaries, array[3])
     batch = {**batch_fields(array), "cu_seqlens": raw.cu_seqlens, "max_seqlen": raw.max_seqlen}
     if raw.dataset_id is not None:
         batch["dataset_id"] = raw.dataset_id
     return to_torch(batch, pin_memory) if as_torch else batch
 
 
-def boundary_block(b: int, s: int, pin_memory: bool = False) -> tuple[Any, Any, Any]:
-    """Uninitialised int32 torch views of one storage: the (4, B, S) block of torch_block, cu_seqlens (B, S + 1) and
-    max_seqlen (B,) (one storage: a DataLoader worker passes one file descriptor per storage).
+def bounded_block(b: int, s: int, pin_memory: bool = False) -> Any:
+    """An uninitialised (R, S) int32 torch tensor for a batch with document boundaries, one storage (a DataLoader
+    worker passes one file descriptor per storage): rows 0..4B-1 tokens, labels, loss_mask bits, position_ids (B rows
+    each, as torch_block), then, from row 4B on, cu_seqlens (B x (S + 1)) and max_seqlen (B) flat; R = 5B + ceil(2B /
+    S), so the last row has S - 2B unused entries (2B <= S). Rows of S, not one flat array: the four fields come out of
+    one split, as torch_block's from one unbind (bounded_fields).
 
     Example:
-        >>> [t.shape for t in boundary_block(2, 4)]
-        [torch.Size([4, 2, 4]), torch.Size([2, 5]), torch.Size([2])]
+        >>> bounded_block(2, 4).shape
+        torch.Size([11, 4])
     """
     torch = _torch()
-    return boundary_views(torch.empty(b * (5 * s + 2), dtype=torch.int32, pin_memory=pin_memory), b, s)
+    return torch.empty((5 * b - (-2 * b // s), s), dtype=torch.int32, pin_memory=pin_memory)
 
 
-def boundary_views(flat: Any, b: int, s: int) -> tuple[Any, Any, Any]:
-    """The (4, B, S) block, cu_seqlens (B, S + 1) and max_seqlen (B,) in a flat int32 tensor of B * (5S + 2)."""
-    # one call for three views; torch.split_with_sizes itself, as Tensor.split's Python wrapper costs as much again
-    block, cu_seqlens, max_seqlen = _torch().split_with_sizes(flat, (4 * b * s, b * (s + 1), b))
-    return block.view(4, b, s), cu_seqlens.view(b, s + 1), max_seqlen
+def bounded_fields(block: Any, b: int, s: int) -> dict[str, Any]:
+    """The six fields of a filled bounded_block as views of it: tokens, labels, loss_mask (float32), position_ids
+    (B, S), cu_seqlens (B, S + 1), max_seqlen (B,).
+
+    Every torch call here costs ~1 us (on these cores, as much as the boundaries themselves), so the fewest: one
+    split for the four fields and the rest, and one as_strided for each of cu_seqlens and max_seqlen (a flat split
+    then views of each took two calls more).
+
+    Example:
+        >>> bounded_fields(bounded_block(2, 4), 2, 4)["cu_seqlens"].shape
+        torch.Size([2, 5])
+    """
+    tokens, labels, loss_mask, position_ids, _ = block.split_with_sizes(_bounded_rows(b, block.shape[0]))
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask.view(_torch().float32),
+        "position_ids": position_ids,
+        "cu_seqlens": block.as_strided((b, s + 1), (s + 1, 1), 4 * b * s),
+        "max_seqlen": block.as_strided((b,), (1,), 4 * b * s + b * (s + 1)),
+    }
+
+
+@functools.cache
+def _bounded_rows(b: int, rows: int) -> tuple[int, ...]:
+    return (b, b, b, b, rows - 4 * b)
 
 
 @njit(nogil=True)
-def _fill_bounded(text, options, cu_in, max_in, flat) -> None:
-    """fill_fields, the boundaries copied beside the fields, position ids per document, into a flat B * (5S + 2)
-    int32 array laid out as boundary_block: one dispatch, and the views made here, not by numpy or torch calls."""
-    b, s = cu_in.shape[0], cu_in.shape[1] - 1
+def _fill_bounded(text, options, boundaries, max_in, out) -> None:
+    """fill_fields, cu_seqlens padded from `boundaries` (RawBatch.boundaries) to S + 1 and max_seqlen beside the
+    fields, position ids per document, into `out` laid out as bounded_block (or any C-contiguous array of at least
+    B * (5S + 2) entries laid out so): one dispatch, and the views made here, not by numpy or torch calls."""
+    b, s = text.shape[0], text.shape[1] - options[_EXTRA]
+    flat = out.reshape(-1)
     block = flat[: 4 * b * s].reshape((4, b, s))
     fill_fields(text, options, block)
-    flat[4 * b * s : 4 * b * s + b * (s + 1)] = cu_in.reshape(-1)
-    flat[4 * b * s + b * (s + 1) :] = max_in
-    reset_positions(cu_in, block[3], 1)  # fill_fields left 0..S-1 (kernel_options: no reset at eod with boundaries)
+    cu_out = flat[4 * b * s : 4 * b * s + b * (s + 1)].reshape((b, s + 1))
+    width = boundaries.shape[1]
+    for r in range(b):
+        row = cu_out[r]
+        row[:width] = boundaries[r]
+        # a slice fill: a loop over k in range(width, s + 1) checks each index for wraparound, and took 3x as long
+        row[width:] = s
+    flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)] = max_in
+    reset_positions(boundaries, block[3])  # fill_fields wrote none (_POSITIONS_BY_DOCUMENT)
 
 
 @njit(nogil=True)
-def reset_positions(cu_seqlens, positions, first=0) -> None:
-    """positions[b, t] = t - the start of t's document, for documents cu_seqlens[b] (S + 1,): what Megatron-LM sets
-    with inter-document masking (each document piece counts from 0, whatever reset_position_ids says). From document
-    `first` on: positions that hold 0..S-1 already need no rewrite of the first document.
+def reset_positions(cu_seqlens, positions) -> None:
+    """positions[b, t] = t - the start of t's document, for documents cu_seqlens[b] (S + 1 columns, or fewer: see
+    RawBatch.boundaries): what Megatron-LM sets with inter-document masking (each document piece counts from 0,
+    whatever reset_position_ids says).
 
     Example:
         >>> p = np.zeros((1, 4), np.int32); reset_positions(np.array([[0, 3, 4, 4, 4]], np.int32), p); p.tolist()
         [[0, 1, 2, 0]]
     """
+    s = positions.shape[1]
     for b in range(positions.shape[0]):
         cu, row = cu_seqlens[b], positions[b]
-        for k in range(first, len(cu) - 1):
-            lo, hi = cu[k], cu[k + 1]  # held, not reloaded: row and cu may alias as far as the compiler knows
-            if lo >= len(row):  # the padding of cu_seqlens: no document past here
+        for k in range(len(cu) - 1):
+            lo, hi = np.int64(cu[k]), np.int64(cu[k + 1])  # held, not reloaded: row and cu may alias
+            if lo >= s:  # the padding of cu_seqlens: no document past here
                 break
-            for t in range(lo, hi):
-                row[t] = t - lo
+            # counted from 0 in a slice of its own: indices that cannot be negative, so the loop vectorises
+            # (row[t] = t - lo, with a wraparound check per store, took 2.6x as long)
+            piece = row[lo:hi]
+            for t in range(hi - lo):
+                piece[t] = t
 
 
 def torch_block(b: int, s: int, pin_memory: bool = False) -> Any:
@@ -204,10 +255,15 @@ def _torch() -> Any:
 # argument of a numba call costs its dispatcher ~0.1 us to type).
 _EXTRA, _PAD, _EOD, _EOD_MASK_LOSS, _RESET_POSITIONS, _CHECK_PAD = range(6)
 
+# options[_RESET_POSITIONS] with document boundaries: the caller writes every position from them (reset_positions),
+# so fill_fields writes none (each written once, not 0..S-1 first and then rewritten from the second document on).
+_POSITIONS_BY_DOCUMENT = 2
+
 
 def kernel_options(config: GPTDatasetConfig, maybe_padded: bool = False) -> np.ndarray:
-    """(6,) int64: extra token, pad id, eod id, eod_mask_loss, reset_position_ids, and whether pad ids may occur
-    (a short sample was padded, a pad token is configured, or the last label is the pad without the extra token).
+    """(6,) int64: extra token, pad id, eod id, eod_mask_loss, reset_position_ids (_POSITIONS_BY_DOCUMENT with
+    document boundaries), and whether pad ids may occur (a short sample was padded, a pad token is configured, or the
+    last label is the pad without the extra token).
 
     Example:
         >>> kernel_options(GPTDatasetConfig(8)).tolist()
@@ -215,8 +271,8 @@ def kernel_options(config: GPTDatasetConfig, maybe_padded: bool = False) -> np.n
     """
     eod = -1 if config.eod_token_id is None else config.eod_token_id
     check_pad = maybe_padded or config.pad_token_id is not None or not config.add_extra_token_to_sequence
-    # with document boundaries the positions restart at each document (reset_positions): no pass at eod tokens first
-    reset = config.reset_position_ids and not getattr(config, "document_boundaries", False)
+    # with document boundaries the positions restart at each document (reset_positions), whatever reset_position_ids
+    reset = _POSITIONS_BY_DOCUMENT if getattr(config, "document_boundaries", False) else int(config.reset_position_ids)
     return np.array([config.extra, config.pad, eod, config.eod_mask_loss, reset, check_pad], np.int64)
 
 
@@ -241,10 +297,15 @@ def fill_fields(text, options, block) -> None:
     for b in range(n):
         row = text[b]
         tokens, labels, loss, positions = block[0, b], block[1, b], block[2, b], block[3, b]
-        for c in range(s):
-            tokens[c] = row[c]
-            loss[c] = _ONE_F32
-            positions[c] = c
+        if options[_RESET_POSITIONS] == _POSITIONS_BY_DOCUMENT:  # the caller writes them
+            for c in range(s):
+                tokens[c] = row[c]
+                loss[c] = _ONE_F32
+        else:
+            for c in range(s):
+                tokens[c] = row[c]
+                loss[c] = _ONE_F32
+                positions[c] = c
         for c in range(s - 1 + extra):
             labels[c] = row[c + 1]
         if extra == 0:
@@ -253,7 +314,7 @@ def fill_fields(text, options, block) -> None:
             for c in range(s):
                 if tokens[c] == eod:
                     loss[c] = 0
-        if options[_RESET_POSITIONS]:  # positions restart after each eod token (before pads become 0)
+        if options[_RESET_POSITIONS] == 1:  # positions restart after each eod token (before pads become 0)
             start = 0
             for c in range(s):
                 positions[c] = c - start
@@ -289,7 +350,7 @@ def fill_fields_numpy(text: np.ndarray, options: np.ndarray, block: np.ndarray) 
     if options[_EOD_MASK_LOSS]:
         loss[tokens == eod] = 0
     positions[:] = _positions(s)
-    if options[_RESET_POSITIONS]:  # minus the start of each position's document: one past the last eod before it
+    if options[_RESET_POSITIONS] == 1:  # minus the start of each position's document: one past the last eod before it
         starts = np.zeros(tokens.shape, np.int32)
         starts[:, 1:] = np.where(tokens[:, :-1] == eod, _positions(s)[1:], 0)
         positions -= np.maximum.accumulate(starts, axis=1)

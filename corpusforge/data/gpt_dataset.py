@@ -55,7 +55,8 @@ from corpusforge.data.batch import (
     _torch,
     assemble,
     batch_fields,
-    boundary_views,
+    bounded_block,
+    bounded_fields,
     fill_fields,
     fill_fields_numpy,
     kernel_options,
@@ -631,24 +632,54 @@ def _gather_bounded(
     )  # fmt: skip
     if status != 0:
         return status
+    s = block.shape[2] if block.shape[1] == len(ids) else text.shape[1] - options[0]
     return _document_boundaries(
-        ids, shuffle_index, sample_index, document_index, sequence_lengths, options[0], cu_seqlens, max_seqlen, block[3]
-    )
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, options[0], s, cu_seqlens, max_seqlen,
+        block[3],
+    )  # fmt: skip
+
+
+@njit(nogil=True)
+def _gather_raw_bounded(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
+    text
+):  # fmt: skip
+    """_gather of the text alone (what a loader worker sends), and the samples' boundaries as RawBatch.boundaries
+    takes them: cu_seqlens with only as many columns as the batch's samples use (a few, against S + 1: a sample of
+    2,048 tokens holds ~2 documents here), made in the same call. Returns (status, boundaries, max_seqlen)."""
+    b, s = len(ids), text.shape[1] - options[0]
+    none = np.empty((b, 0), np.int32)
+    status = _gather(
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
+        options, text, np.empty((4, 0, 0), np.int32),
+    )  # fmt: skip
+    if status != 0:
+        return status, none, none[:, 0]
+    most = 1  # the most document pieces a sample reads (one more than its boundaries but the first and the last)
+    for k in range(b):
+        row = np.int64(shuffle_index[ids[k]])
+        most = max(most, np.int64(sample_index[row + 1, 0]) - np.int64(sample_index[row, 0]) + 1)
+    boundaries, max_seqlen = np.empty((b, min(most, s) + 1), np.int32), np.empty(b, np.int32)
+    status = _document_boundaries(
+        ids, shuffle_index, sample_index, document_index, sequence_lengths, options[0], s, boundaries, max_seqlen,
+        none,
+    )  # fmt: skip
+    return status, boundaries, max_seqlen
 
 
 @njit(nogil=True)
 def _gather_flat(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text, flat
+    text, out, s
 ):  # fmt: skip
-    """_gather_bounded into one flat int32 array of B * (5S + 2): the (4, B, S) block, cu_seqlens (B, S + 1), then
-    max_seqlen (B,), as batch.boundary_block lays them out: the views are made here, not by numpy calls around it
-    (~0.5 us each), and the call types one output array, not three."""
+    """_gather_bounded into `out`, int32 laid out as batch.bounded_block (or one flat array of B * (5S + 2) laid out
+    so): the (4, B, S) block, cu_seqlens (B, S + 1), then max_seqlen (B,): the views are made here, not by numpy
+    calls around it (~0.5 us each), and the call types one output array, not three."""
     b = len(ids)
-    s = (len(flat) // max(b, 1) - 2) // 5
+    flat = out.reshape(-1)
     block = flat[: 4 * b * s].reshape((4, b, s))
     cu_seqlens = flat[4 * b * s : 4 * b * s + b * (s + 1)].reshape((b, s + 1))
-    max_seqlen = flat[4 * b * s + b * (s + 1) :]
+    max_seqlen = flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)]
     return _gather_bounded(
         ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
         options, text, block, cu_seqlens, max_seqlen,
@@ -693,12 +724,13 @@ def _gather_numpy(
 
 @njit(nogil=True)
 def _document_boundaries(
-    ids, shuffle_index, sample_index, document_index, sequence_lengths, extra, cu_seqlens, max_seqlen, positions
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, extra, s, cu_seqlens, max_seqlen, positions
 ):  # fmt: skip
-    """cu_seqlens[b] (S + 1,) and max_seqlen[b] of samples `ids`, and, where `positions` has a row per sample (holding
-    0..S-1, as fill_fields leaves them with boundaries), their position ids restarting at each document piece.
-    Returns 0, -1 if an id is out of range, -2 if a sample holds more than S pieces (empty documents; Megatron fails
-    there too).
+    """cu_seqlens[b] and max_seqlen[b] of samples `ids` of seq_length s, and, where `positions` has a row per sample
+    (fill_fields writes none with boundaries: batch._POSITIONS_BY_DOCUMENT), their position ids restarting at each
+    document piece. cu_seqlens has S + 1 columns (Megatron's layout) or fewer, as long as each sample's boundaries
+    fit (see RawBatch.boundaries): the columns past a sample's last boundary hold S either way. Returns 0, -1 if an id
+    is out of range, -2 if a sample holds more than S pieces (empty documents; Megatron fails there too).
 
     Megatron-LM's convention (GPTDataset.__getitem__ with inter_document_masking, commit d98e8a64ddf3): the boundaries
     are those of the sample's document pieces as the indices cut them (not its eod tokens: a dataset without eod
@@ -706,7 +738,7 @@ def _document_boundaries(
     of a short sample is folded into the last piece, so cu_seqlens[n] = S; the entries past the n + 1 used hold S
     (so that samples stack); max_seqlen is the longest piece, padding included. A piece may be empty (a sample
     starting at the end of a document without the extra token, an empty document): its boundary is repeated."""
-    s = cu_seqlens.shape[1] - 1
+    width = cu_seqlens.shape[1]
     for b in range(len(ids)):
         if ids[b] < 0 or ids[b] >= len(shuffle_index):
             return -1
@@ -725,15 +757,15 @@ def _document_boundaries(
             end = last_off + extra if position == last else np.int64(sequence_lengths[document_index[position]])
             length = end - begin
             total += length
-            if k < s:
+            if k + 1 < width:
                 cu[k + 1] = total
         if extra:  # the extra token is the label of the last position, not a token of the sample
             total -= 1
             if length == 1:
                 pieces -= 1
-            elif pieces <= s:
+            elif pieces < width:
                 cu[pieces] = total
-        if pieces > s:
+        if pieces >= width:
             return -2
         if total < s:  # a padded sample: the padding joins the last piece (or is the only one)
             if pieces == 0:
@@ -744,8 +776,8 @@ def _document_boundaries(
         for k in range(1, pieces + 1):
             longest = max(longest, cu[k] - cu[k - 1])
         max_seqlen[b] = longest
-    if positions.shape[0] == len(ids):  # 0..S-1 there (fill_fields does not reset them with boundaries): from the
-        reset_positions(cu_seqlens, positions, 1)  # second document on
+    if positions.shape[0] == len(ids):
+        reset_positions(cu_seqlens, positions)
     return 0
 
 
@@ -951,7 +983,8 @@ class GPTDataset:
             self.read_raw(none)
             if direct:
                 self._read_bounded(none, np.empty((4, 0, s), np.int32), cu_seqlens, max_seqlen)
-                self._read_flat(none, np.empty(0, np.int32))
+                for flat in (np.empty(0, np.int32), np.empty((0, s), np.int32)):  # ds[i]'s, then __getitems__'
+                    self._read_flat(none, flat)
             for positions in (_NO_POSITIONS, np.empty((0, s), np.int32)):  # read_raw's call, then get_batch's
                 self._boundaries(
                     np.zeros(0, np.int64), np.empty((0, s + 1), np.int32), np.empty(0, np.int32), positions
@@ -1004,15 +1037,17 @@ class GPTDataset:
         return args is not None and _gather(ids, *args, block) == 0
 
     def _read_flat(self, ids: np.ndarray, flat: np.ndarray) -> bool:
-        """_read_bounded into one flat int32 array laid out as batch.boundary_block (see _gather_flat)."""
+        """_read_bounded into `flat`, int32 laid out as batch.bounded_block (see _gather_flat)."""
         args = self._direct_args()
-        if args is not None and (ready(_gather_flat) or started()):
-            status = _gather_flat(ids, *args, flat)
+        if args is not None and (started() or ready(_gather_flat)):
+            status = _gather_flat(ids, *args, flat, self.config.seq_length)
             if status != -2:
                 return status == 0
-        b, s = len(ids), self.config.seq_length
+        b, s, flat = len(ids), self.config.seq_length, flat.reshape(-1)
         block, cu_seqlens = flat[: 4 * b * s].reshape(4, b, s), flat[4 * b * s : 4 * b * s + b * (s + 1)]
-        return self._read_bounded(ids, block, cu_seqlens.reshape(b, s + 1), flat[4 * b * s + b * (s + 1) :])
+        return self._read_bounded(
+            ids, block, cu_seqlens.reshape(b, s + 1), flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)]
+        )
 
     def _read_bounded(self, ids: np.ndarray, block: np.ndarray, cu_seqlens: np.ndarray, max_seqlen: np.ndarray) -> bool:
         """_read_fields, and the samples' document boundaries (position ids per document) in the same compiled call."""
@@ -1085,13 +1120,13 @@ class GPTDataset:
         memory = indexed.reader.memory
         status = 1  # as _gather says when a sample is short: the general path below
         bounded = self.config.document_boundaries and memory is not None and started()
-        if bounded:  # the text and the boundaries in one compiled call
+        if bounded:  # the text and the boundaries, in as few columns as they take, in one compiled call
             text = np.empty((len(ids), width), memory.dtype)
-            cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
-            max_seqlen = np.empty(len(ids), np.int32)
-            status = _gather_bounded(ids, *self._direct_args()[:-1], text, _NO_FIELDS, cu_seqlens, max_seqlen)
+            status, boundaries, max_seqlen = _gather_raw_bounded(ids, *self._direct_args()[:-1], text)
             if status == 0:
-                return RawBatch(text, False, None, cu_seqlens, max_seqlen)
+                return RawBatch(text, False, None, boundaries, max_seqlen)
+            if status == -2:
+                self._raise_too_many_pieces()
         elif memory is not None:  # one compiled pass from the map into the batch
             text = np.empty((len(ids), width), memory.dtype)
             status = _gather(
@@ -1133,7 +1168,7 @@ class GPTDataset:
         cu_seqlens = np.empty((len(ids), self.config.seq_length + 1), np.int32)
         max_seqlen = np.empty(len(ids), np.int32)
         self._boundaries(ids, cu_seqlens, max_seqlen, _NO_POSITIONS)
-        return dataclasses.replace(raw, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return dataclasses.replace(raw, boundaries=cu_seqlens, max_seqlen=max_seqlen)
 
     def _boundaries(self, ids: np.ndarray, cu_seqlens: np.ndarray, max_seqlen: np.ndarray, positions: np.ndarray):
         """Fill cu_seqlens (B, S + 1), max_seqlen (B,) and, given a row per sample, position ids (B, S) of samples
@@ -1147,14 +1182,18 @@ class GPTDataset:
             indexed = self.indexed
             arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
             args = self._boundary_args = (*(np.asarray(a) for a in arrays), self.config.extra)
-        status = kernel(ids, *args, cu_seqlens, max_seqlen, positions)
+        status = kernel(ids, *args, self.config.seq_length, cu_seqlens, max_seqlen, positions)
         if status == -1:
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         if status == -2:
-            raise ValueError(
-                f"{self.indexed.prefix}: a sample of {self.config.seq_length} tokens spans more document pieces than "
-                "cu_seqlens holds (empty documents?); Megatron-LM fails there too"
-            )
+            self._raise_too_many_pieces()
+
+    def _raise_too_many_pieces(self) -> None:
+        raise ValueError(
+            f"{self.indexed.prefix}: a sample of {self.config.seq_length} tokens spans more document pieces than its "
+            "cu_seqlens can hold (a run of empty documents); drop the empty documents or use a longer seq_length "
+            "(Megatron-LM fails there too)"
+        )
 
     def _pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces)."""
@@ -1213,10 +1252,9 @@ class GPTDataset:
         array = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.config.document_boundaries:
             b, s = len(array), self.config.seq_length
-            flat = _torch().empty(b * (5 * s + 2), dtype=_torch().int32)  # laid out as batch.boundary_block
-            if self._read_flat(array, flat.numpy()):
-                block, cu_seqlens, max_seqlen = boundary_views(flat, b, s)
-                return {**torch_fields(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+            block = bounded_block(b, s)
+            if self._read_flat(array, block.numpy()):
+                return bounded_fields(block, b, s)
             return assemble(self.read_raw(array), self.config, as_torch=True)
         block = torch_block(len(array), self.config.seq_length)
         if self._read_fields(array, block.numpy()):

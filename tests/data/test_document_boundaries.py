@@ -9,6 +9,8 @@ over megatron-core 0.16.1's own GPTDataset (same indices, same text, same masks)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +118,49 @@ def test_every_path_gives_the_same_fields(dataset):
             np.testing.assert_array_equal(one[key].numpy(), value[i], err_msg=f"{key} of sample {i}")
 
 
+def test_a_raw_batch_carries_only_the_columns_its_samples_use(dataset):
+    """read_raw (what a loader worker sends) cuts cu_seqlens to the columns the batch's samples can use: one more than
+    the most document pieces any of them reads. Assembled, it is Megatron's (B, S + 1) layout again, equal to
+    get_batch's, for batches of one sample to all of them; so is a raw batch whose boundaries are padded already (as
+    a blend puts them in row order), and RawBatch.cu_seqlens gives the padded layout."""
+    s = dataset.config.seq_length
+    everything = dataset.get_batch(np.arange(len(dataset)))
+    rng = np.random.default_rng(0)
+    widths = set()
+    for size in (1, 2, 5, 8, len(dataset)):
+        ids = rng.choice(len(dataset), size, replace=False)
+        raw = dataset.read_raw(ids)
+        rows = dataset.shuffle_index[ids].astype(np.int64)
+        pieces = dataset.sample_index[rows + 1, 0] - dataset.sample_index[rows, 0] + 1
+        assert raw.boundaries.shape == (size, min(int(pieces.max()), s) + 1) and (raw.boundaries[:, -1] == s).all()
+        widths.add(raw.boundaries.shape[1])
+        np.testing.assert_array_equal(raw.cu_seqlens, everything["cu_seqlens"][ids])
+        for sent in (raw, dataclasses.replace(raw, boundaries=raw.cu_seqlens)):
+            for as_torch in (True, False):
+                batch = assemble(sent, dataset.config, as_torch=as_torch)
+                assert set(batch) == set(everything)
+                for key, value in everything.items():
+                    np.testing.assert_array_equal(np.asarray(batch[key]), value[ids], err_msg=key)
+    assert len(widths) > 1 and max(widths) < s + 1
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_loader_workers_send_the_boundaries(dataset):
+    """Through the loader's worker processes (raw batches pickled, assembled in this process), the same batches as
+    without workers: every field, cu_seqlens and max_seqlen in one storage as views of it."""
+    from corpusforge.data import make_loader
+
+    alone = list(make_loader(dataset, 4, 0, 1))
+    workers = list(make_loader(dataset, 4, 0, 1, num_workers=2))
+    assert len(alone) == len(workers) == len(dataset) // 4
+    for a, b in zip(alone, workers):
+        assert a.keys() == b.keys() == {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen"}
+        assert len({t.untyped_storage().data_ptr() for t in b.values()}) == 1
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+        assert b["cu_seqlens"].shape == (4, 33) and b["cu_seqlens"].is_contiguous() and b["max_seqlen"].shape == (4,)
+
+
 def test_boundaries_are_the_documents(dataset):
     """Each span of cu_seqlens holds one document piece: eod tokens only at its end, positions 0.. within it; and
     with documents that end in eod, the positions are reset_position_ids'."""
@@ -164,6 +209,26 @@ def test_off_changes_nothing(tmp_path, corpora):
     assert ds.read_raw([0]).cu_seqlens is None
     with pytest.raises(ValueError, match="create_attention_mask"):
         GPTDatasetConfig(8, eod_token_id=EOD, document_boundaries=True, create_attention_mask=True)
+
+
+def test_a_sample_of_more_pieces_than_cu_seqlens_holds_is_refused(tmp_path):
+    """A sample of 4 tokens over a run of empty documents: every path (ds[i], get_batch, __getitems__, and read_raw,
+    which sizes the worker's boundaries itself) refuses it with one line naming the dataset and the fix, as
+    Megatron-LM fails there too."""
+    from corpusforge.indexed import IndexedDatasetWriter
+
+    lengths = np.zeros(20, np.int64)
+    lengths[[0, 19]] = 3
+    with IndexedDatasetWriter(tmp_path / "e", np.uint16) as w:
+        w.add_documents(np.array([1, 2, EOD, 3, 4, EOD]), lengths)
+    config = GPTDatasetConfig(4, seed=1, eod_token_id=EOD, document_boundaries=True)
+    ds = GPTDataset(IndexedDataset(tmp_path / "e"), "train", (0, 20), 1, config)
+    row = int(ds.shuffle_index[0])
+    assert ds.sample_index[row + 1, 0] - ds.sample_index[row, 0] + 1 > 5  # more pieces than S + 1 entries hold
+    ds.load_kernels()
+    for read in (ds.get_batch, ds.__getitems__, ds.read_raw, lambda ids: ds[ids[0]]):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'e'}: a sample of 4 tokens spans more document pieces"):
+            read([0])
 
 
 def test_reset_positions_stops_at_the_padding():
