@@ -322,9 +322,30 @@ def checkpoint_shapes(total_bytes: int, hidden: int, itemsize: int = 4) -> list[
     return shapes
 
 
+def own_session() -> None:
+    """Make this worker process a session of its own, as fio makes every job process (backend.c, thread_main:
+    setsid()). Linux's autogroup scheduler (CONFIG_SCHED_AUTOGROUP, kernel.sched_autogroup_enabled=1, the default
+    of most distributions' kernels) shares the CPU fairly between sessions before it shares it between processes:
+    on a machine that other sessions keep busy, 8 checkpoint writers in bench-io's one session would share one
+    session's slice, while 8 fio jobs get eight, and a buffered write of a checkpoint is mostly the CPU copying it
+    into the page cache. Measured (docs/bench-io.md): 8 writers on 2 busy cores spent 60-90% of each checkpoint
+    runnable and waiting for a CPU. On an idle node this changes nothing. The worker still ends with bench-io
+    (die_with_parent) and ignores SIGINT as before; the parent still kills it by pid.
+
+    Example (first thing in a worker forked for a case):
+        >>> own_session()
+    """
+    try:
+        os.setsid()
+    except PermissionError:  # already a process group leader (a worker started some other way): leave it
+        pass
+
+
 def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     """Write the tensors of one rank's shard, fsync (the time until durable), evict, read back and compare.
-    With `mlperf`: MLPerf Storage's checkpointing workload instead (measure_mlperf_checkpoints)."""
+    With `mlperf`: MLPerf Storage's checkpointing workload instead (measure_mlperf_checkpoints). Each worker is a
+    session of its own, as each fio job is (own_session)."""
+    own_session()
     c = case.config
     if c.mlperf:
         return measure_mlperf_checkpoints(case, slot, beat)

@@ -146,6 +146,40 @@ def test_real_run_writes_fsyncs_drops_reads_back_and_reports_the_rules_metric(tm
     ]
 
 
+def sessions_of_writers(where, monkeypatch) -> set[tuple[int, int]]:
+    """(pid, session id) of every process that fsyncs a checkpoint file in a tiny --mlperf run under `where`."""
+    log = where.parent / "sessions"
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        real_fsync(fd)
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(out, f"{os.getpid()} {os.getsid(0)}\n".encode())
+        os.close(out)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    config = tiny(where, patterns=("checkpoint",), mlperf="llama3-8b", scale=0.0001, mlperf_processes=2,
+                  mlperf_checkpoints=1, mlperf_pause=0)  # fmt: skip
+    assert run_bench(config).results[0].verdict == "ok"
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    pairs = {tuple(int(v) for v in line.split()) for line in log.read_text().splitlines()}
+    log.unlink()
+    return pairs
+
+
+def test_checkpoint_writers_are_sessions_of_their_own_as_fio_jobs_are(tmp_path, monkeypatch):
+    """fio's job processes call setsid(); under autogroup scheduling each session gets its own share of a busy
+    CPU, so 8 writers in one session lose to 8 fio jobs what the copy into the page cache needs (docs/bench-io.md).
+    Every checkpoint writer must be its own session; without own_session() they would share the test's, which
+    this test sees too (so it can fail)."""
+    where = tmp_path / "mnt"
+    where.mkdir()
+    pairs = sessions_of_writers(where, monkeypatch)
+    assert len(pairs) == 2 and all(pid == sid for pid, sid in pairs) and os.getsid(0) not in {s for _, s in pairs}
+    monkeypatch.setattr(patterns, "own_session", lambda: None)  # forked workers inherit the patched module
+    assert {sid for _, sid in sessions_of_writers(where, monkeypatch)} == {os.getsid(0)}
+
+
 def test_subset_mode_runs_the_first_ranks_of_the_layout(tmp_path):
     config = tiny(tmp_path, patterns=("checkpoint",), mlperf="llama3-405b", scale=1e-5, mlperf_processes=2,
                   mlperf_checkpoints=1, mlperf_pause=0)  # fmt: skip
