@@ -2,14 +2,20 @@
 
 MLPerf's own implementation (DLIO at the branch mlperf_storage_v2.0, which mlpstorage v2.0 installs from git) is not
 on PyPI: PyPI's dlio-benchmark 2.0.0 (2024-08) predates DLIO's transformer checkpointing (2025-02) and the separate
-checkpoint write/read counts (2025-04), so it cannot run this workload. fio stands in for it: for each checkpoint
-one fio run with one chain of jobs per rank (wait_for: the rank's files one after another, as DLIO's rank writes
-them), each job one file of the rank's DLIO layout (corpusforge/iobench/mlperf.py) at the same scaled size,
-ioengine=psync, the same request size, buffered, fallocate=none, end_fsync=1 (DLIO fsyncs every file); then
-every file's page cache dropped, then one fio run per checkpoint reading them back (invalidate=1, fadvise
-sequential: bench-io does the same). A rank's duration in fio is the sum of its jobs' job_runtime (ms; file
-creation and opening left out, which favours fio slightly); per checkpoint the duration is the maximum over
-ranks and the throughput the checkpoint's bytes over it, averaged over the checkpoints, on both sides.
+checkpoint write/read counts (2025-04), so it cannot run this workload. fio stands in for it, doing each rank's
+exact sequence of system calls: per checkpoint, after the same untimed pause, one fio run with one job per rank
+that replays an iolog (version 2) of that rank's files in DLIO's layout (corpusforge/iobench/mlperf.py) at the
+same scaled sizes: open (creating the file), writes of the request size with the last one short, fsync, close,
+file after file; ioengine=psync, buffered. Then every file's page cache dropped, and the reads the same way
+(invalidate=1; fio's default fadvise_hint advises sequential reads, as bench-io does). A rank's duration in fio is
+its job's job_runtime (from the job's start after fio's barrier to its end, the opens, writes and fsyncs
+included; whole milliseconds); per checkpoint the duration is the maximum over ranks and the throughput the
+checkpoint's bytes over it, averaged over the checkpoints, on both sides: MLPerf's metric.
+
+An earlier version ran one fio job per file, chained per rank with wait_for, and summed a rank's job_runtime:
+fio starts a waiting job only on its main loop's 100 ms polls, so a rank's files went in lock-step with every
+other rank's, with untimed gaps between them, and startdelay (counted from fio's start) paused only before the
+first checkpoint. One job per rank per checkpoint has neither.
 
 The sides alternate (bench-io first in even repeats, fio first in odd ones) on the same directory; the script
 reports medians over repeats, the paired ratios, and the load average before and after each run.
@@ -60,45 +66,43 @@ def bench_io(args) -> dict:
     }
 
 
-def fio_jobs(checkpoints: list[list[list[tuple[str, int]]]], rw: str, bs: int, pause: float) -> str:
-    """A fio job file for every checkpoint, one after another (stonewall: the next starts once every rank is done,
-    DLIO's barrier); within one, a chain per rank, the rank's next job after its previous one (wait_for). A file
-    is one job of whole requests and, where its size is not a multiple of `bs` (sizes are whole 4 KiB blocks), one
-    more job for the rest in one request, as bench-io's last request (fio drops a partial last block otherwise);
-    the file's last job fsyncs it. Each rank's first job starts `pause` seconds late (startdelay, not timed):
-    bench-io's emulated compute before each checkpoint (--mlperf-pause)."""
-    lines = ["[global]", "ioengine=psync", "direct=0", "fallocate=none", f"rw={rw}", "invalidate=1"]
-    for i, files in enumerate(checkpoints):
-        first = True
-        for rank, mine in enumerate(files):
-            previous = None
-            for j, (path, size) in enumerate(mine):
-                body = size // bs * bs
-                parts = [(f"c{i}r{rank}f{j}", 0, body, bs)] if body else []
-                parts += [(f"c{i}r{rank}f{j}t", body, size - body, size - body)] if size > body else []
-                for k, (name, offset, length, request) in enumerate(parts):
-                    lines += ["", f"[{name}]", f"filename={path}", f"offset={offset}", f"size={length}"]
-                    lines += [f"bs={request}"]
-                    lines += ["end_fsync=1"] if rw == "write" and k == len(parts) - 1 else []
-                    lines += [f"wait_for={previous}"] if previous else [f"startdelay={round(pause * 1000)}ms"]
-                    lines += ["stonewall"] if first and i else []
-                    previous, first = name, False
+def rank_iolog(files: list[tuple[str, int]], rw: str, bs: int) -> str:
+    """One rank's checkpoint as a fio iolog (version 2): each file opened (created, for writes), moved whole in
+    requests of `bs` with the last one short where the size is not a multiple of `bs` (sizes are whole 4 KiB
+    blocks), fsynced after a write, closed; file after file, in DLIO's order. Replayed by one fio job, this is the
+    rank's exact sequence of system calls in one timed window, as bench-io's and DLIO's rank makes them."""
+    lines = ["fio version 2 iolog", *(f"{path} add" for path, _ in files)]
+    for path, size in files:
+        lines.append(f"{path} open")
+        lines += [f"{path} {rw} {off} {min(bs, size - off)}" for off in range(0, size, bs)]
+        lines += [f"{path} sync 0 0"] if rw == "write" else []
+        lines.append(f"{path} close")
     return "\n".join(lines) + "\n"
 
 
-def fio_run(job_file: str, checkpoints: int, ranks: int) -> tuple[list[float], list[int]]:
-    """Per checkpoint: the slowest rank's duration (the sum of its jobs' job_runtime) and the bytes moved."""
+def fio_checkpoint(folder: str, files: list[list[tuple[str, int]]], rw: str, bs: int) -> tuple[float, int]:
+    """One checkpoint in one fio run, a job per rank replaying its iolog; all jobs start together (fio starts the
+    jobs of one run at once, after setting them up: DLIO's barrier). Returns the slowest rank's duration (its
+    job_runtime: from the job's start to its end, the opens, writes and fsyncs included; whole ms) and the bytes
+    moved."""
+    lines = ["[global]", "ioengine=psync", "direct=0", f"rw={rw}", "invalidate=1"]
+    for rank, mine in enumerate(files):
+        log = os.path.join(folder, f"rank{rank}.{rw}.iolog")
+        with open(log, "w") as f:
+            f.write(rank_iolog(mine, rw, bs))
+        lines += ["", f"[r{rank}]", f"read_iolog={log}"]
+    job_file = os.path.join(folder, f"{rw}.fio")
+    with open(job_file, "w") as f:
+        f.write("\n".join(lines) + "\n")
     out = subprocess.run(["fio", "--output-format=json", job_file], check=True, capture_output=True, text=True).stdout
-    per_rank = [[0.0] * ranks for _ in range(checkpoints)]
-    moved = [0] * checkpoints
-    for job in json.loads(out[out.index("{") :])["jobs"]:
-        i, rest = job["jobname"][1:].split("r")  # c<checkpoint>r<rank>f<file>[t]
-        per_rank[int(i)][int(rest.split("f")[0])] += job["job_runtime"] / 1e3
-        moved[int(i)] += job["write"]["io_bytes"] + job["read"]["io_bytes"]
-    return [max(r) for r in per_rank], moved
+    jobs = json.loads(out[out.index("{") :])["jobs"]
+    moved = sum(job["write"]["io_bytes"] + job["read"]["io_bytes"] for job in jobs)
+    return max(job["job_runtime"] for job in jobs) / 1e3, moved
 
 
 def fio(args) -> dict:
+    """fio doing bench-io's checkpoints: per checkpoint the pause (not timed), then one fio run (fio_checkpoint);
+    every write done, then every file's page cache dropped, then the reads the same way."""
     model = MODELS[args.model]
     root = os.path.join(args.dir, "fio-checkpoints")
     os.makedirs(root)
@@ -117,13 +121,15 @@ def fio(args) -> dict:
                 for files in checkpoints:
                     for path, _ in (f for mine in files for f in mine):
                         drop_page_cache(path)
-            job_file = os.path.join(root, f"{rw}.fio")
-            with open(job_file, "w") as f:
-                f.write(fio_jobs(checkpoints, rw, args.block_size, args.pause))
-            durations, moved = fio_run(job_file, len(checkpoints), len(checkpoints[0]))
-            if set(moved) != {expected}:
-                raise SystemExit(f"fio {rw} moved {moved} bytes per checkpoint, not {expected}; see {job_file}")
-            rates = [n / d / 1e6 for n, d in zip(moved, durations)]
+            durations = []
+            for i, files in enumerate(checkpoints):
+                time.sleep(args.pause)  # bench-io's emulated compute before each checkpoint (--mlperf-pause)
+                folder = os.path.join(root, f"global_epoch1_step{i + 1}")
+                seconds, moved = fio_checkpoint(folder, files, rw, args.block_size)
+                if moved != expected:
+                    raise SystemExit(f"fio {rw} moved {moved} bytes in checkpoint {i}, not {expected}; see {folder}")
+                durations.append(seconds)
+            rates = [expected / d / 1e6 for d in durations]
             result[rw] = {"mb_s": statistics.mean(rates), "duration_max_s": durations}
         return result
     finally:
