@@ -140,9 +140,12 @@ def widened_targets(
 def _widen_targets(tokens, labels, loss_mask, ignore_index, out) -> None:
     """out[0] = tokens, out[1] = labels or ignore_index where loss_mask is 0 ((B, S) each)."""
     for b in range(tokens.shape[0]):
-        for c in range(tokens.shape[1]):
-            out[0, b, c] = tokens[b, c]
-            out[1, b, c] = labels[b, c] if loss_mask[b, c] != 0 else ignore_index
+        # a row's 1-D views, a loop each: vectorised; one loop over both fields indexed in 3-D took twice as long
+        t, label, mask, wide_t, wide_label = tokens[b], labels[b], loss_mask[b], out[0, b], out[1, b]
+        for c in range(t.shape[0]):
+            wide_t[c] = t[c]
+        for c in range(t.shape[0]):
+            wide_label[c] = label[c] if mask[c] != 0 else ignore_index
 
 
 def torch_view(array: np.ndarray) -> Any:
