@@ -14,6 +14,11 @@ on, in rounds that alternate which goes first (median of the rounds reported):
 
 With --reset-position-ids both sides restart positions at eod tokens (what a job that trains documents as documents
 would run without boundaries). The target (issue 30): at most 10% more time per sample, per sample and batched.
+
+Each case is timed in wall time and in this thread's CPU time (which leaves out the time the process waited for a
+core), with its minor page faults. On cores shared with other jobs a round's figure moves 2x between rounds, so each
+round also reads the ids in chunks of CHUNK alternately with the option off and on, and the median of those chunks'
+on/off ratios is reported as well (extra_*_paired).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from corpusforge.data import GPTDataset  # noqa: E402
 from corpusforge.data.batch import assemble  # noqa: E402
 
 BATCH = 8
+CHUNK = 400  # ids a paired chunk reads on each side (50 batches): ~2-6 ms, under a scheduler's time slice
 
 
 def per_sample(ds, ids: list[int]) -> None:
@@ -64,6 +70,20 @@ def timed(fn, ds, ids: list[int]) -> tuple[float, float, float]:
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return wall / len(ids) * 1e6, cpu / len(ids) * 1e6, faults / len(ids)
+
+
+def paired(fn, off, on, ids: list[int], chunk: int, flip: bool) -> list[tuple[float, float]]:
+    """(wall, CPU) ratio on/off of each chunk of `chunk` ids, read off then on (on then off where `flip`, and every
+    other chunk the other way): a core lost to another job in the middle of a round spoils one chunk's pair, not the
+    whole round's figure."""
+    ratios = []
+    for k, lo in enumerate(range(0, len(ids) - chunk + 1, chunk)):
+        part = ids[lo : lo + chunk]
+        first, second = (on, off) if (k % 2 == 1) != flip else (off, on)
+        a, b = timed(fn, first, part), timed(fn, second, part)
+        (w_off, c_off, _), (w_on, c_on, _) = (a, b) if first is off else (b, a)
+        ratios.append((w_on / w_off, c_on / c_off))
+    return ratios
 
 
 def main() -> None:
@@ -107,6 +127,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {k: [] for k in plan}
     cpu_runs: dict[str, list[float]] = {k: [] for k in plan}
     fault_runs: dict[str, list[float]] = {k: [] for k in plan}
+    pairs: dict[str, list[tuple[float, float]]] = {fn.__name__: [] for fn in (per_sample, batched, worker_path)}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name in list(plan) if r % 2 == 0 else list(plan)[::-1]:
@@ -115,6 +136,8 @@ def main() -> None:
             runs[name].append(round(wall, 2))
             cpu_runs[name].append(round(cpu, 2))
             fault_runs[name].append(round(faults, 3))
+        for fn in (per_sample, batched, worker_path):
+            pairs[fn.__name__] += paired(fn, off, on, ids, CHUNK, r % 2 == 1)
         load.append(os.getloadavg()[0])
         print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -122,6 +145,8 @@ def main() -> None:
     names = [fn.__name__ for fn in (per_sample, batched, worker_path)]
     cost = {n: round(med[f"{n} on"] / med[f"{n} off"] - 1, 4) for n in names}
     cpu_cost = {n: round(cpu_med[f"{n} on"] / cpu_med[f"{n} off"] - 1, 4) for n in names}
+    paired_cost = {n: round(statistics.median(w for w, _ in pairs[n]) - 1, 4) for n in names}
+    paired_cpu_cost = {n: round(statistics.median(c for _, c in pairs[n]) - 1, 4) for n in names}
     report = {
         "benchmark": "document_boundaries",
         "machine": bench.machine_info(),
@@ -134,6 +159,10 @@ def main() -> None:
         "median_cpu_us_per_sample": cpu_med,
         "extra_cpu_time_with_boundaries": cpu_cost,
         "minor_page_faults_per_sample": {k: statistics.median(v) for k, v in fault_runs.items()},
+        "paired_chunk_ids": CHUNK,
+        "paired_chunks": {n: len(v) for n, v in pairs.items()},
+        "extra_time_with_boundaries_paired": paired_cost,
+        "extra_cpu_time_with_boundaries_paired": paired_cpu_cost,
         "runs": runs,
         "cpu_runs": cpu_runs,
     }  # fmt: skip
@@ -143,7 +172,10 @@ def main() -> None:
     for k, v in med.items():
         print(f"  {k:24s} {v:8.2f}")
     for k, v in cost.items():
-        print(f"  {k}: {v:+.1%} with document boundaries ({cpu_cost[k]:+.1%} in this thread's CPU time)")
+        print(
+            f"  {k}: {v:+.1%} with document boundaries ({cpu_cost[k]:+.1%} in this thread's CPU time); median of "
+            f"{len(pairs[k])} paired chunks of {CHUNK} ids: {paired_cost[k]:+.1%} ({paired_cpu_cost[k]:+.1%} CPU)"
+        )
     print(f"wrote {out}")
 
 
