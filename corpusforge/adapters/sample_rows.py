@@ -4,11 +4,17 @@ back into that batch without a copy.
 Megatron-LM's `build_pretraining_data_loader` and the HF Trainer read a dataset through a torch DataLoader with a
 batch sampler, which calls `dataset.__getitems__(ids)` (torch/utils/data/_utils/fetch.py) and then the collate
 function on the list it returns. A trainer's default collate stacks every field of every sample again (a copy of the
-whole batch, ~10 us a sample of 2,048 int64 tokens here). `sample_rows` cuts a batch into `SampleRow` dicts (views of
-the batch's tensors) that remember the batch; `whole_batch(rows)` gives that batch back when the rows are all of it,
-in order and unchanged. torch's documented extension of its `default_collate` (`default_collate_fn_map`, in
-torch/utils/data/_utils/collate.py) is taught `SampleRow` here, so that Megatron-LM's DataLoader collates them to the
-batch itself; rows of several reads, reordered or changed collate as torch collates plain dicts (the same values).
+whole batch, ~10 us a sample of 2,048 int64 tokens here). `sample_rows` cuts a batch into `SampleRow`s (read-only
+mappings whose fields are views of the batch's, made when read) that remember the batch; `whole_batch(rows)` gives
+that batch back when the rows are all of it, in order. torch's documented extension of its `default_collate`
+(`default_collate_fn_map`, in torch/utils/data/_utils/collate.py) is taught `SampleRow` here, so that Megatron-LM's
+DataLoader collates them to the batch itself; rows of several reads, reordered or partial collate as torch collates
+plain dicts (the same values).
+
+`widened` and `widened_targets` make the int64 fields those trainers take (Megatron-LM's tensor-parallel broadcast
+allocates int64 buffers; the cross-entropy of transformers and torchtitan refuses int32 targets) once per batch, from
+the fields as read, into one storage. That widening is what these adapters cost over corpusforge's own int32 loader:
+~2 us a sample of 2,048 tokens here, the bytes of the int64 fields (benchmarks/bench_adapters.py, "rows int32").
 
 Example:
     >>> rows = sample_rows({"tokens": torch.zeros((2, 4), dtype=torch.int64)})
