@@ -145,3 +145,37 @@ def test_killed_leader_leaves_no_one_waiting_and_no_half_share(blend, reference,
     assert opened_here(tmp_path, blend, job, monkeypatch) == (reference, True)
     assert list((tmp_path / "shm").glob("*.tmp")) == []  # the dead writer's temporary file was removed
     assert len(list((tmp_path / "shm").glob("corpusforge-share-*.bin"))) == 1
+
+
+FIRST_BATCH = """
+import json, sys
+import numpy as np
+from corpusforge import jit
+from corpusforge.data import build_gpt_datasets
+from corpusforge.data.batch import assemble
+from corpusforge.storage import StorageConfig
+
+blend, cache = json.loads(sys.argv[1]), sys.argv[2]
+train, _, _ = build_gpt_datasets(blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0), cache_dir=cache,
+                                 storage=StorageConfig(read_mode="mmap"))
+first = train.__getitems__(list(range(5, 13)))
+started = jit.started()
+ids = np.arange(len(train))[::-3]
+same = all(bool((a == b).all()) for a, b in zip(train.get_batch(ids).values(),
+                                                  assemble(train.read_raw(ids), train.config).values()))
+print(json.dumps({"started": started, "same": same, "keys": sorted(first), "tokens": first["tokens"].tolist()}))
+"""
+
+
+def test_a_blends_first_batch_does_not_start_numba(blend, tmp_path):
+    """A fresh process's first batch of a blend (its datasets memory-mapped) comes from each dataset's own numpy path:
+    no compiled kernel loaded, so no numba start-up (~0.6-1 s of CPU per rank at a job's start); the fields equal
+    assemble(read_raw), the general path, for samples from every dataset of the blend."""
+    proc = subprocess.run([sys.executable, "-c", FIRST_BATCH, json.dumps(blend), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["started"] is False and out["same"] is True
+    assert out["keys"] == ["dataset_id", "labels", "loss_mask", "position_ids", "tokens"]
+    train, _, _ = build_gpt_datasets(blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0))
+    assert out["tokens"] == train.read_raw(range(5, 13)).text[:, :32].tolist()
