@@ -146,6 +146,31 @@ def test_real_run_writes_fsyncs_drops_reads_back_and_reports_the_rules_metric(tm
     ]
 
 
+def test_a_checkpoint_that_reads_back_different_bytes_fails_naming_the_file(tmp_path, monkeypatch):
+    """A real change on disk between the writes and the reads (the last byte of every file flipped where the page
+    cache is dropped): the run ends in an error row naming a checkpoint file, not in a throughput."""
+    real_drop = patterns.drop_page_cache
+
+    def flip_last_byte(path):
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last ^ 0xFF]))
+            f.flush()
+            os.fsync(f.fileno())
+        real_drop(path)
+
+    monkeypatch.setattr(patterns, "drop_page_cache", flip_last_byte)  # forked workers inherit it
+    config = tiny(tmp_path, patterns=("checkpoint",), mlperf="llama3-8b", scale=0.0001, mlperf_processes=2,
+                  mlperf_checkpoints=1, mlperf_pause=0)  # fmt: skip
+    (row,) = run_bench(config).results[-1:]
+    assert row.verdict == "error" and "_states.pt: the checkpoint read back differs from what was written" in (
+        row.message
+    )
+    assert os.listdir(tmp_path) == []
+
+
 def sessions_of_writers(where, monkeypatch) -> set[tuple[int, int]]:
     """(pid, session id) of every process that fsyncs a checkpoint file in a tiny --mlperf run under `where`."""
     log = where.parent / "sessions"
