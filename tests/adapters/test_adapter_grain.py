@@ -41,6 +41,22 @@ def assert_same(ours: list[dict], theirs: list[dict]) -> None:
             assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
 
 
+def test_random_transforms_get_a_generator_per_record(data):
+    """grain_loader gives its records no random generator (a Philox generator a record was the sampler's main cost),
+    except where the operations it is given hold a random transform, which takes one; the batches are the same."""
+    import grain.python as grain
+
+    class Seen(grain.RandomMapTransform):
+        def random_map(self, element, rng):
+            assert isinstance(rng, np.random.Generator)
+            return {**element, "draw": np.array(rng.integers(1 << 30))}
+
+    source = GrainSource(build_train(data), micro_batch_size=3)
+    plain, drawn = list(grain_loader(source)), list(grain_loader(source, operations=[Seen()]))
+    assert_same(plain, [{k: v for k, v in b.items() if k != "draw"} for b in drawn])
+    assert len({int(b["draw"]) for b in drawn}) > 1  # a generator of its own for each record
+
+
 @pytest.mark.parametrize("kind", ["blend", "single", "boundaries"])
 def test_grain_batches_are_corpusforge_loaders(data, kind):
     """Each rank of 2, through Grain's DataLoader, its MapDataset of micro-batches and its `.batch` over sample
