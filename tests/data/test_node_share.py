@@ -179,3 +179,39 @@ def test_a_blends_first_batch_does_not_start_numba(blend, tmp_path):
     assert out["keys"] == ["dataset_id", "labels", "loss_mask", "position_ids", "tokens"]
     train, _, _ = build_gpt_datasets(blend, seq_length=32, split="1", seed=7, num_samples=(300, 0, 0))
     assert out["tokens"] == train.read_raw(range(5, 13)).text[:, :32].tolist()
+
+
+def test_a_blend_on_a_network_file_system_is_fetched_concurrently(blend, tmp_path, monkeypatch):
+    """On a network file system (each stat and open a round trip to its metadata server) the node's reader fetches
+    the .bin sizes and .idx bytes of a blend with threads: the same datasets as opened one by one, and a missing
+    .idx still refused with its pair's message. Local files stand in for the network here (the fs type check is
+    the part not exercised); the fetches themselves are real."""
+    import numpy as np
+
+    from corpusforge.storage import datasets as sd
+
+    prefixes = blend[0::2]
+    fetched = []
+    real_fetch = sd._fetch_concurrently
+    monkeypatch.setattr(sd, "_fetch_concurrently", lambda texts: fetched.append(real_fetch(texts)) or fetched[-1])
+    monkeypatch.setattr(sd, "_network_fs", lambda path: False)
+    one_by_one = sd.open_datasets(prefixes)
+    assert not fetched
+    monkeypatch.setattr(sd, "_network_fs", lambda path: True)
+    together = sd.open_datasets(prefixes)
+    assert len(fetched) == 1 and all(data is not None for data in fetched[0][2])
+    for a, b in zip(one_by_one, together):
+        assert a.prefix == b.prefix and a.read_mode == b.read_mode and len(a) == len(b)
+        np.testing.assert_array_equal(a.sequence_lengths, b.sequence_lengths)
+        np.testing.assert_array_equal(a.read_spans(np.array([0, 5]), np.array([7, 3])),
+                                      b.read_spans(np.array([0, 5]), np.array([7, 3])))  # fmt: skip
+    copies = []
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            copy = tmp_path / (Path(prefix).name + ext)
+            copy.write_bytes(Path(prefix + ext).read_bytes())
+        copies.append(str(tmp_path / Path(prefix).name))
+    (tmp_path / (Path(prefixes[4]).name + ".idx")).unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        sd.open_datasets(copies)
+    assert fetched[-1] is None and Path(prefixes[4]).name in str(e.value) and ".idx" in str(e.value)
