@@ -242,6 +242,26 @@ def remove_leftovers(directory: str | os.PathLike, pattern: str = f"*{TMP_SUFFIX
     return removed
 
 
+def fs_type(path: str | os.PathLike) -> str:
+    """The file system type of `path` from /proc/self/mountinfo (ext4, xfs, tmpfs, fuse.ceph-fuse, lustre ...).
+
+    Example:
+        >>> fs_type("/dev/shm")
+        'tmpfs'
+    """
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        mount = left.split()[4].replace("\\040", " ")
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, right.split()[0]
+    return kind
+
+
 def is_url(path: str | os.PathLike) -> bool:
     """True for an fsspec URL with a protocol other than file (s3://, gs://, http://, memory://, ...).
 

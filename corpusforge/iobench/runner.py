@@ -20,11 +20,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import die_with_parent
-from corpusforge.fsutil import is_url
+from corpusforge.fsutil import fs_type, is_url
 from corpusforge.iobench import guard, patterns
 from corpusforge.iobench.config import BenchConfig
 from corpusforge.iobench.ranks import Ranks
@@ -52,21 +51,6 @@ class CaseOutcome:
 
 
 # -- checks before any work --------------------------------------------------------------------------------------
-
-
-def fs_type(path: str) -> str:
-    """The file system type of `path` from /proc/self/mountinfo (ext4, xfs, tmpfs, fuse.ceph-fuse, lustre ...)."""
-    real, best, kind = os.path.realpath(path), "", "unknown"
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return kind
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        mount = left.split()[4].replace("\\040", " ")
-        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-            best, kind = mount, right.split()[0]
-    return kind
 
 
 def memory_bytes() -> int:
