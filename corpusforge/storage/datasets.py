@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from corpusforge.fsutil import is_url
+from corpusforge.fsutil import fs_type, is_url
 from corpusforge.indexed import (
     INDEX_READ_WHOLE_BYTES,
     IndexedDataset,
@@ -126,8 +126,6 @@ _FETCHERS = 16
 
 def _network_fs(path: str) -> bool:
     """Whether `path` is on a network or FUSE file system (fs type from /proc/self/mountinfo)."""
-    from corpusforge.iobench.runner import fs_type  # the one mountinfo reader; bench-io's module, loaded here only
-
     kind = fs_type(path)
     return kind.startswith("fuse.") or kind.split(".")[0] in _NETWORK_FS
 
