@@ -980,7 +980,7 @@ class GPTDataset:
         if self.config.document_boundaries:
             s = self.config.seq_length
             none, cu_seqlens, max_seqlen = np.zeros(0, np.int64), np.empty((0, s + 1), np.int32), np.empty(0, np.int32)
-            self.read_raw(none)
+            assemble(self.read_raw(none), self.config, as_torch=True)  # what the loader's main process assembles
             if direct:
                 self._read_bounded(none, np.empty((4, 0, s), np.int32), cu_seqlens, max_seqlen)
                 for flat in (np.empty(0, np.int32), np.empty((0, s), np.int32)):  # ds[i]'s, then __getitems__'
