@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from corpusforge.iobench import report
+from corpusforge.iobench import patterns, report
 from corpusforge.iobench.config import BenchConfig, MiB
 from corpusforge.iobench.mlperf import MODELS
 from corpusforge.iobench.runner import run_bench
@@ -155,8 +155,15 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.0, help="Seconds before each checkpoint (the rules: 5).")
     ap.add_argument("--block-size", type=int, default=MiB, help="Request size in bytes, both sides.")
     ap.add_argument("--repeats", type=int, default=5, help="Runs per side (the rules: five).")
+    ap.add_argument(
+        "--same-session",
+        action="store_true",
+        help="Ablation: bench-io's writers stay in bench-io's session (patterns.own_session off), as before 677f88b.",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.same_session:  # the workers are forked: they inherit the patched module
+        patterns.own_session = lambda: None
     if shutil.which("fio") is None:
         sys.exit("fio: not installed; apt-get install -y fio")
     runs = {"bench-io": [], "fio": []}
