@@ -328,7 +328,7 @@ def own_session() -> None:
     of most distributions' kernels) shares the CPU fairly between sessions before it shares it between processes:
     on a machine that other sessions keep busy, 8 checkpoint writers in bench-io's one session would share one
     session's slice, while 8 fio jobs get eight, and a buffered write of a checkpoint is mostly the CPU copying it
-    into the page cache. Measured (docs/bench-io.md): 8 writers on 2 busy cores spent 60-90% of each checkpoint
+    into the page cache. Measured (docs/bench-io.md): 8 writers on 2 busy cores spent 45-90% of each checkpoint
     runnable and waiting for a CPU. On an idle node this changes nothing. The worker still ends with bench-io
     (die_with_parent) and ignores SIGINT as before; the parent still kills it by pid.
 
