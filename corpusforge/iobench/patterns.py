@@ -332,7 +332,7 @@ def own_session() -> None:
     runnable and waiting for a CPU. On an idle node this changes nothing. The worker still ends with bench-io
     (die_with_parent) and ignores SIGINT as before; the parent still kills it by pid.
 
-    Example (first thing in a worker forked for a case):
+    Example (runner._worker, first thing in every worker forked for a case, whatever the pattern):
         >>> own_session()
     """
     try:
@@ -343,9 +343,7 @@ def own_session() -> None:
 
 def measure_checkpoint(case: Case, slot: int, beat: Beat) -> list[Phase]:
     """Write the tensors of one rank's shard, fsync (the time until durable), evict, read back and compare.
-    With `mlperf`: MLPerf Storage's checkpointing workload instead (measure_mlperf_checkpoints). Each worker is a
-    session of its own, as each fio job is (own_session)."""
-    own_session()
+    With `mlperf`: MLPerf Storage's checkpointing workload instead (measure_mlperf_checkpoints)."""
     c = case.config
     if c.mlperf:
         return measure_mlperf_checkpoints(case, slot, beat)

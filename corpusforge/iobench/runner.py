@@ -175,6 +175,7 @@ def open_path(path: str) -> tuple[str, bool, str, bool]:
 def _worker(case: patterns.Case, local: int, slot: int, times, phase_codes, barrier, out) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     die_with_parent()  # a SIGKILLed bench-io leaves no worker hammering the storage
+    patterns.own_session()  # the CPU a busy machine gives it is a session's, as each fio job's (own_session says why)
     guard.detach_output()
     beat = patterns.Beat(times, phase_codes, local, barrier)
     if is_url(case.root):
