@@ -134,8 +134,8 @@ def bounded_block(b: int, s: int, pin_memory: bool = False) -> Any:
     """An uninitialised (R, S) int32 torch tensor for a batch with document boundaries, one storage (a DataLoader
     worker passes one file descriptor per storage): rows 0..4B-1 tokens, labels, loss_mask bits, position_ids (B rows
     each, as torch_block), then, from row 4B on, cu_seqlens (B x (S + 1)) and max_seqlen (B) flat; R = 5B + ceil(2B /
-    S), so the last row has S - 2B unused entries (2B <= S). Rows of S, not one flat array: the four fields come out of
-    one split, as torch_block's from one unbind (bounded_fields).
+    S): where 2B <= S one row more, with S - 2B entries unused. Rows of S, not one flat array: the four fields come
+    out of one split, as torch_block's from one unbind (bounded_fields).
 
     Example:
         >>> bounded_block(2, 4).shape
