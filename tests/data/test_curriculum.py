@@ -157,7 +157,6 @@ def test_each_mistake_is_one_line_naming_the_phase(phases, words):
         (['data.path="a"', "data.curriculum=[{until_step=3, weights=[1, 2]}, {}]"], "data.path is one dataset"),
         (['data.path=["a", "b"]', "data.curriculum=[{until_step=3}, {}]"], "without weights"),
         (['data.source="synthetic"', "data.curriculum=[{until_step=3}, {}]"], "not synthetic tokens"),
-        (["parallel.pp=2", "data.curriculum=[{until_step=3, seq_length=16}, {}]"], "pipeline stages"),
         (["data.curriculum=5"], "expected a list"),
         (
             ["parallel.tp=4", "data.curriculum=[{until_step=3, seq_length=2}, {}]"],
