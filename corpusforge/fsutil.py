@@ -262,6 +262,23 @@ def fs_type(path: str | os.PathLike) -> str:
     return kind
 
 
+# File systems whose metadata operations are round trips to a server (a stat, an open, a create: ~0.3-0.7 ms each on
+# the loopback CephFS of the tests, more on a loaded cluster), against microseconds of CPU on a local disk.
+_NETWORK_FS = ("ceph", "lustre", "nfs", "nfs4", "gpfs", "beegfs", "cifs", "smb3", "9p", "glusterfs", "wekafs")
+
+
+def network_fs(path: str | os.PathLike) -> bool:
+    """Whether `path` is on a network or FUSE file system (by fs_type): where many small file operations are worth
+    making from several threads at once, each waiting for its server.
+
+    Example:
+        >>> network_fs("/mnt/cephfs/data"), network_fs("/tmp")
+        (True, False)
+    """
+    kind = fs_type(path)
+    return kind.startswith("fuse.") or kind.split(".")[0] in _NETWORK_FS
+
+
 def is_url(path: str | os.PathLike) -> bool:
     """True for an fsspec URL with a protocol other than file (s3://, gs://, http://, memory://, ...).
 
