@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from corpusforge.fsutil import fs_type, is_url
+from corpusforge.fsutil import is_url, network_fs
 from corpusforge.indexed import (
     INDEX_READ_WHOLE_BYTES,
     IndexedDataset,
@@ -81,7 +81,7 @@ def open_datasets(prefixes: Sequence[str | os.PathLike], config: StorageConfig |
     grouped = config.read_mode == "auto" and config.local_cache_dir is None and len(texts) >= SMALL_GROUP_MIN
     found = None
     if grouped and not any(map(is_url, texts)):
-        found = _fetch_concurrently(texts) if _network_fs(texts[0]) else None
+        found = _fetch_concurrently(texts) if network_fs(texts[0]) else None
         found = found or _stat_bins(texts)
     if found is None:  # one by one: a missing file is then reported in the order of the prefixes
         return [open_dataset(p, config) for p in prefixes]
@@ -117,17 +117,8 @@ def _stat_bins(prefixes: list[str]) -> tuple[list[int], list[int], list[None]] |
     return sizes, devices, [None] * len(prefixes)
 
 
-# File systems whose metadata operations are round trips to a server (a stat, an open: ~0.5-0.7 ms each on the
-# loopback CephFS of the tests, more on a loaded cluster), against microseconds on a local disk.
-_NETWORK_FS = ("ceph", "lustre", "nfs", "nfs4", "gpfs", "beegfs", "cifs", "smb3", "9p", "glusterfs", "wekafs")
 # Threads that fetch a blend's .bin sizes and .idx bytes from such a file system: each mostly waits for its server.
 _FETCHERS = 16
-
-
-def _network_fs(path: str) -> bool:
-    """Whether `path` is on a network or FUSE file system (fs type from /proc/self/mountinfo)."""
-    kind = fs_type(path)
-    return kind.startswith("fuse.") or kind.split(".")[0] in _NETWORK_FS
 
 
 def _fetch_concurrently(prefixes: list[str]) -> tuple[list[int], list[int], list[bytes | None]] | None:

@@ -194,10 +194,10 @@ def test_a_blend_on_a_network_file_system_is_fetched_concurrently(blend, tmp_pat
     fetched = []
     real_fetch = sd._fetch_concurrently
     monkeypatch.setattr(sd, "_fetch_concurrently", lambda texts: fetched.append(real_fetch(texts)) or fetched[-1])
-    monkeypatch.setattr(sd, "_network_fs", lambda path: False)
+    monkeypatch.setattr(sd, "network_fs", lambda path: False)
     one_by_one = sd.open_datasets(prefixes)
     assert not fetched
-    monkeypatch.setattr(sd, "_network_fs", lambda path: True)
+    monkeypatch.setattr(sd, "network_fs", lambda path: True)
     together = sd.open_datasets(prefixes)
     assert len(fetched) == 1 and all(data is not None for data in fetched[0][2])
     for a, b in zip(one_by_one, together):
