@@ -57,7 +57,14 @@ import numpy as np
 
 from corpusforge.data.cache import CacheMismatchError, describe_dataset, describe_differences, wait_for_index_caches
 from corpusforge.errors import ArgumentError
-from corpusforge.fsutil import fsync_dir, fsync_path, remove_leftovers, write_at_atomic, write_json_atomic
+from corpusforge.fsutil import (
+    fsync_dir,
+    fsync_path,
+    network_fs,
+    remove_leftovers,
+    write_at_atomic,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from corpusforge.data.blended import BlendedDataset
@@ -434,7 +441,7 @@ _ARRAY_NAMES = {
 
 
 class _Writer:
-    """Writes the missing files of the entries it is given (`add`), arrays first, by a few threads while the caller
+    """Writes the missing files of the entries it is given (`add`), arrays first, by writer threads while the caller
     builds the next entries; on leaving the block (durable) a syncfs, then the descriptions, then a syncfs again.
     An entry built for other data than today's is refused before its files are written.
 
@@ -448,7 +455,8 @@ class _Writer:
         self.names = set(os.listdir(directory))  # one listing, not 10,000 stats
         self.recorded = _read_records(directory / ".corpusforge")
         self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        self.pool = ThreadPoolExecutor(_WRITERS, thread_name_prefix="prepare-cache")
+        self.threads = _NETWORK_WRITERS if network_fs(directory) else _WRITERS
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="prepare-cache")
         self.pending: list[Any] = []
         self.arrays: list[str] = []
         self.descriptions: list[tuple[str, str]] = []
@@ -506,7 +514,7 @@ class _Writer:
             if self.durable and self.arrays:
                 _sync(self.directory, self.arrays)
             # Last: megatron-core takes an entry whose files all exist as complete, so its description goes last.
-            chunk = 1 + len(self.descriptions) // (4 * _WRITERS)  # a few tasks per thread, not one per file
+            chunk = 1 + len(self.descriptions) // (4 * self.threads)  # a few tasks per thread, not one per file
             batches = [self.descriptions[i : i + chunk] for i in range(0, len(self.descriptions), chunk)]
             written += sum(self.pool.map(self._write_all, batches))
             if self.durable and self.descriptions:
@@ -518,10 +526,13 @@ class _Writer:
             os.close(self.dir_fd)
 
 
-# Threads that write the cache files. Creating a small file is ~100-200 us of kernel time here (ext4, a loaded
-# machine), mostly CPU: a few threads overlap it with the builds on the main thread; more (32 before) spun on the
-# directory's lock (10,000 files: 2-4 s of system time against 1-1.5 s from one to four threads).
-_WRITERS = 4
+# Threads that write the cache files. On a local disk creating a small file is CPU in the kernel (~30-250 us here,
+# ext4 on a shared machine): one thread beside the builder uses the other core; more contend for the directory's
+# lock and the GIL (alternating runs here, 4 threads against 1: ~0.4 s more user time, up to twice the system time;
+# 32 threads: 2-4 s of system time for 10,000 files). On a network file system each create and rename waits for a
+# server round trip: there, threads overlap the waits.
+_WRITERS = 1
+_NETWORK_WRITERS = 16
 
 
 def _read_records(directory: Path) -> dict[str, Any]:
