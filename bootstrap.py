@@ -82,8 +82,12 @@ def venv_python(env_dir: Path) -> Path:
 def ensure_venv(env_dir: Path) -> Path:
     """The venv's python, creating the venv first when there is none (with pip, from ensurepip)."""
     python = venv_python(env_dir)
-    if python.exists():
-        return python
+    try:
+        if python.exists():
+            return python
+    except PermissionError as exc:  # a venv whose interpreter lives where this user cannot look (another's home)
+        raise SetupError(f"{python}: this user cannot use it ({exc.strerror}); run as the user who made "
+                         f"{env_dir}, or give a venv of your own with --venv DIR") from exc  # fmt: skip
     if sys.version_info < (3, 11):  # noqa: UP036 (this file runs under whatever python3 the machine has)
         raise SetupError(f"corpusforge needs Python 3.11 or newer, this is {sys.version.split()[0]}; run this file "
                          "with python3.11 (or newer)")  # fmt: skip

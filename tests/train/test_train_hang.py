@@ -92,6 +92,15 @@ def block_until_reported(control: Path, out: Path, blocked: list[float] | None =
     (control / what).unlink(missing_ok=True)  # the fixture may have released it first, at the end
 
 
+def delay_next_read(control: Path, seconds: float) -> None:
+    """hangfs delays its next read by `seconds`. The file appears whole, by a rename: a read that took it between
+    its creation and its write would find it empty, and fusepy answers a handler's error with EINVAL (seen once in a
+    loaded suite run)."""
+    tmp = control / ".delay-once.tmp"
+    tmp.write_text(str(seconds))
+    os.replace(tmp, control / "delay-once")
+
+
 def at_step(out: Path, step: int, then, timeout: float = 90) -> threading.Thread:
     """A thread that calls `then()` once rank 0 has logged `step` (the run is past its start, its files open)."""
 
@@ -167,7 +176,7 @@ def test_a_slow_read_warns_once_and_changes_no_loss(corpus, hangfs, tmp_path, un
     the bytes, the wait and its reads' p50/p99; the run finishes with the undisturbed run's losses."""
     mnt, control = hangfs
     out = tmp_path / "run"
-    at_step(out, 3, lambda: (control / "delay-once").write_text("2"))
+    at_step(out, 3, lambda: delay_next_read(control, 2))
     done = launch(corpus, out, mnt, tmp_path / "logs")
     ranks = trainkit.rank_logs(tmp_path / "logs")
     assert done.returncode == 0, (done.stderr[-3000:], ranks)
