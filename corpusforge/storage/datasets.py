@@ -16,7 +16,6 @@ import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 from corpusforge.fsutil import is_url, network_fs
 from corpusforge.indexed import (
@@ -170,7 +169,7 @@ def _open(
             index, fs = fetch_index(prefix, config.storage_options)
             opened = OpenedIndex.from_bytes(index, f"{prefix}.idx")
         elif index is not None:  # the .idx's bytes, fetched with the blend's others (_fetch_concurrently)
-            opened, fs = OpenedIndex.from_bytes(index, str(Path(f"{prefix}.idx"))), None
+            opened, fs = OpenedIndex.from_bytes(index, f"{prefix}.idx"), None  # as open_index names it
         else:
             opened, fs = open_index(prefix), None
         reader = open_reader(f"{prefix}.bin", opened.header.dtype, config, fs, choice, nbytes)

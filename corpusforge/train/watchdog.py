@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,16 @@ def _written_bytes() -> int | None:
     return None
 
 
+@dataclass
+class _SaveClock:
+    """A wait for a checkpoint's write (Watchdog.saving): the bytes the process had written when they last grew,
+    when that was, and what is being written."""
+
+    written: int
+    grew_at: float
+    in_flight: Callable[[], dict[str, Any] | None]
+
+
 def _publish(path: Path, record: dict[str, Any]) -> None:
     """A record the other ranks read, whole or not at all (no fsync: they read it within seconds, and it must not
     wait on a disk)."""
@@ -92,7 +103,7 @@ class Watchdog:
         self.step, self.last_beat, self.armed = 0, _now(), False
         self.waiting_since: float | None = None  # in waiting_for_data()
         self.pause_depth = 0
-        self.save_clock: list | None = None  # in saving(): [bytes written, when they last grew, in_flight]
+        self.save_clock: _SaveClock | None = None  # in saving()
         self.warned: set[tuple[int, int]] = set()
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
@@ -155,7 +166,7 @@ class Watchdog:
             with self.paused():
                 yield
             return
-        self.save_clock = [written, _now(), in_flight]
+        self.save_clock = _SaveClock(written, _now(), in_flight)
         try:
             yield
         finally:
@@ -232,14 +243,14 @@ class Watchdog:
         if clock is None:  # saving() has just ended
             return None, None
         written, now = _written_bytes(), _now()
-        if written != clock[0]:
-            clock[0], clock[1] = written, now
+        if written != clock.written:
+            clock.written, clock.grew_at = written, now
             return None, None
-        if now - clock[1] < self.hang_s:
+        if now - clock.grew_at < self.hang_s:
             return None, None
-        write = clock[2]()
+        write = clock.in_flight()
         if write is not None and write.get("shards_since") is not None:
-            return "stuck", {**write, "seconds": now - max(clock[1], write["shards_since"])}
+            return "stuck", {**write, "seconds": now - max(clock.grew_at, write["shards_since"])}
         return ("waiting", None) if self._stuck_elsewhere() else (None, None)
 
     def _stuck_elsewhere(self) -> bool:
