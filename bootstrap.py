@@ -41,7 +41,8 @@ TORCHTITAN = "torchtitan==0.3.0"
 # The suite in 2 processes, a test file to a process at a time (pytest-xdist): much of it waits on subprocesses,
 # daemons and sleeps, so 2 cores run it in about 18 minutes instead of about 30, and a file's module-scoped set-ups (a
 # torchrun launch its tests share) are made once. Arguments after `test` come later and win (`-n 0`: one process).
-PYTEST_WORKERS = ("-n", "2", "--dist", "loadfile")
+# The 30 slowest tests are listed at the end: the suite's 25-minute budget is watched from CI's own log.
+PYTEST_WORKERS = ("-n", "2", "--dist", "loadfile", "--durations", "30")
 # The tests' real storage and schedulers: a loopback Ceph (mon, memstore OSD, RGW, MDS, ceph-fuse), fio (bench-io's
 # reference), FUSE (storage that hangs on command; libfuse2 for fusepy), a one-node Slurm, loop devices with ext4.
 DEBIAN_TEST_PACKAGES = (
