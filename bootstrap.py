@@ -42,7 +42,7 @@ TORCHTITAN = "torchtitan==0.3.0"
 # daemons and sleeps, so 2 cores run it in about 18 minutes instead of about 30, and a file's module-scoped set-ups (a
 # torchrun launch its tests share) are made once. Arguments after `test` come later and win (`-n 0`: one process).
 # The 30 slowest tests are listed at the end: the suite's 25-minute budget is watched from CI's own log.
-PYTEST_WORKERS = ("-n", "2", "--dist", "loadfile", "--durations", "30")
+PYTEST_DEFAULTS = ("-n", "2", "--dist", "loadfile", "--durations", "30")
 # The tests' real storage and schedulers: a loopback Ceph (mon, memstore OSD, RGW, MDS, ceph-fuse), fio (bench-io's
 # reference), FUSE (storage that hangs on command; libfuse2 for fusepy), a one-node Slurm, loop devices with ext4.
 DEBIAN_TEST_PACKAGES = (
@@ -281,7 +281,7 @@ def test(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise SetupError(root_needed(DEBIAN_TEST_PACKAGES, args.pytest_args))
     ensure_debian_packages(DEBIAN_TEST_PACKAGES)
-    cmd = [str(python), "-m", "pytest", "-q", *PYTEST_WORKERS, *args.pytest_args]
+    cmd = [str(python), "-m", "pytest", "-q", *PYTEST_DEFAULTS, *args.pytest_args]
     say("$ " + shlex.join(cmd))
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     if rc == 5:  # pytest: no tests collected, which is never a pass here
