@@ -14,16 +14,17 @@ of `megatron.core.datasets.gpt_dataset.GPTDataset`. The algorithm, written from 
 4. sample index: the documents, in document-index order, form one token stream; sample j starts at token
    j * seq_length of it and reads seq_length + 1 tokens, so consecutive samples share one token (the label of
    the last position). Each start is stored as (position in the document index, offset in that document)
-   (helpers.cpp: build_sample_idx). Here one compiled merge of the document stream with the sample starts, or,
-   where that kernel is not loaded in the process and the input is small, the same rows from numpy.
+   (helpers.cpp: build_sample_idx). Here one merge of the document stream with the sample starts, in plain C
+   (corpusforge/_sample_index.c, built by pip install); where that is not built, the same walk in numba, or, where
+   numba has not started in the process and the input is small, the same rows from numpy.
 5. shuffle index: a permutation of the samples with the same RandomState, continued; with a separate final
    epoch the samples of the first E-1 epochs and those of the last are permuted separately (_build_shuffle_index).
 
 The shuffles are numpy's RandomState.shuffle in plain C (mt19937.py: the same permutations, ~4x faster, no numba
 to start), and the sample index is built on a second thread while the shuffle index is drawn (neither holds the
-GIL). Below ~4e6 entries numpy builds the sample index until numba has started in the process: its start-up (~1 s
-for a process's first kernel) costs more than the work there (corpusforge/jit.py). A blend's datasets are built
-and cached together (SharedIndices, build_together).
+GIL). The sample index's C walk costs a few microseconds for a small dataset (numpy's twin ~0.15 ms of fixed-overhead
+calls, numba's ~1 s start-up in a fresh process: corpusforge/jit.py); a blend of thousands of small datasets builds
+thousands of them. A blend's datasets are built and cached together (SharedIndices, build_together).
 
 Sample i is then the sample-index entry shuffle[i], read across as many documents as it spans, a whole batch per
 call (copied straight from the memory map where the file is read through it), and made into tokens, labels, loss
@@ -69,6 +70,11 @@ from corpusforge.data.mt19937 import seeded, shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
 from corpusforge.jit import njit, ready, started
+
+try:
+    from corpusforge import _sample_index
+except ImportError:  # not built (a source checkout without pip install): numba's _sample_starts or numpy, same rows
+    _sample_index = None
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -311,7 +317,9 @@ def build_sample_index(
     dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64  # helpers.py: build_sample_idx
     out = np.empty((num_samples + 1, 2), dtype=dtype)  # every row is written: no zeroing pass over fresh pages
     lengths, documents = np.ascontiguousarray(sequence_lengths), np.ascontiguousarray(document_index)
-    if _compiled(_sample_starts, num_samples + len(documents)):
+    if _sample_index is not None and lengths.dtype == np.int32 and documents.dtype == np.int32 and seq_length >= 1:
+        _sample_index.fill(lengths, documents, seq_length, num_samples, extra, out)
+    elif _compiled(_sample_starts, num_samples + len(documents)):
         _sample_starts(lengths, documents, seq_length, num_samples, extra, out)
     else:
         _sample_starts_numpy(lengths, documents, seq_length, num_samples, extra, out)
@@ -327,6 +335,12 @@ _COMPILED_FROM = 1 << 22
 def _compiled(kernel, entries: int) -> bool:
     """Whether to call `kernel` for an input of `entries` (see _COMPILED_FROM) rather than its numpy twin."""
     return entries >= _COMPILED_FROM or ready(kernel) or started()
+
+
+def _sample_index_compiled(entries: int) -> bool:
+    """Whether build_sample_index runs compiled code (which releases the GIL) for an input of `entries`: the C
+    kernel wherever it is built, else numba's under _compiled's rule."""
+    return _sample_index is not None or _compiled(_sample_starts, entries)
 
 
 def _sample_starts_numpy(sequence_lengths, document_index, seq_length, num_samples, extra, out) -> None:
@@ -506,7 +520,7 @@ def build_indices(
     head = before_final if separate_final_epoch else total
     # Side by side only where both are compiled and large enough: numpy's shuffle holds the GIL, and a hand-off to
     # the helper thread costs more than a small build.
-    compiled = _compiled(_sample_starts, total + len(document_index))
+    compiled = _sample_index_compiled(total + len(document_index))
     if total < _PARALLEL_ABOVE or not compiled:
         sample_index = build_sample_index(sequence_lengths, document_index, seq_length, total, extra)
         return {

@@ -264,3 +264,38 @@ def test_blend_kernel_in_c_equals_its_numba_twin():
                 blended._fill_blocks(*twin, w, limits.astype(np.int64), n)
                 np.testing.assert_array_equal(ours[0], twin[0], err_msg=f"{k} datasets, {n} samples")
                 np.testing.assert_array_equal(ours[1], twin[1])
+
+
+def test_sample_index_in_c_equals_its_numba_and_numpy_twins():
+    """corpusforge/_sample_index.c (built by pip install), gpt_dataset._sample_starts (numba) and
+    _sample_starts_numpy (the two fallbacks where it is not built) give the same bytes: documents shorter and longer
+    than a sample, empty documents, with and without the extra token, samples past the stream's end (an undropped
+    partial sample), both row dtypes, and enough documents for several gathered blocks; test_parity.py checks the
+    one in use against helpers.cpp. A document index past the lengths is refused, not read."""
+    from corpusforge.data import gpt_dataset
+
+    if gpt_dataset._sample_index is None:
+        pytest.skip("corpusforge._sample_index is not built (pip install -e . builds it)")
+    rng = np.random.default_rng(5)
+    cases = [(rng.integers(0 if c % 3 else 1, rng.integers(2, 400), size=rng.integers(1, 60)), c) for c in range(40)]
+    cases += [(rng.integers(0, high, size=20_000), c) for c, high in enumerate((10, 300, 2))]
+    for lengths, c in cases:
+        lengths = lengths.astype(np.int32)
+        documents = np.tile(np.arange(len(lengths), dtype=np.int32), 1 + c % 3)
+        rng.shuffle(documents)
+        tokens = int(lengths[documents].sum())
+        seq = int(rng.integers(1, max(2, tokens // 3)))
+        for extra in (0, 1):
+            for samples in (max(0, tokens - extra) // seq, max(0, tokens - extra) // seq + 1 + c % 4):
+                for dtype in (np.int32, np.int64):
+                    ours, numba_rows, numpy_rows = (np.full((samples + 1, 2), -7, dtype) for _ in range(3))
+                    gpt_dataset._sample_index.fill(lengths, documents, seq, samples, extra, ours)
+                    gpt_dataset._sample_starts(lengths, documents, seq, samples, extra, numba_rows)
+                    gpt_dataset._sample_starts_numpy(lengths, documents, seq, samples, extra, numpy_rows)
+                    where = f"case {c}, seq {seq}, extra {extra}, {samples} samples, {dtype.__name__}"
+                    assert ours.tobytes() == numba_rows.tobytes(), where
+                    assert ours.tobytes() == numpy_rows.tobytes(), where
+    with pytest.raises(IndexError, match="document_index"):
+        gpt_dataset._sample_index.fill(
+            lengths, np.array([0, len(lengths)], np.int32), 4, 2, 1, np.empty((3, 2), np.int32)
+        )
