@@ -10,15 +10,26 @@ transformers' default collator makes of every field.
 
 The Trainer must read the samples in order (the dataset's own shuffle index already randomised them) and hand
 `shift_labels` to the model; TRAINING_ARGUMENTS says how, and check_training_arguments refuses anything else.
-With these, data-parallel ranks take the micro-batches Megatron's sampler would give them (accelerate hands batch
-k to rank k % world), and a resume from a Trainer checkpoint skips exactly the batches trained: the Trainer replays
-the sampler's indices without reading their samples, then continues with the next batch.
+With these, data-parallel ranks take the micro-batches Megatron's sampler would give them: the Trainer's sequential
+sampler batched, and accelerate's BatchSamplerShard handing micro-batch k to rank k % world (a global batch of
+micro_batch_size x world consecutive samples, rank r taking the r-th slice; with drop_last, the last incomplete
+global batch is dropped, not filled from the start). A resume from a Trainer checkpoint skips global_step x
+gradient_accumulation_steps micro-batches on every rank (accelerate's skip_first_batches replays the sampler's ids
+without reading their samples), then continues with the next global batch.
+
+That skip is counted in this run's micro-batches, so it lands on the samples trained only when a step takes as many
+samples as the checkpoint's did (per_device_train_batch_size x gradient_accumulation_steps x ranks); at another
+number of ranks with the same per-step count it continues the global order exactly (2 ranks x 2 -> 1 rank x 4),
+otherwise it would silently repeat or skip samples, since the Trainer keeps no count of them. LoaderStateCallback
+keeps corpusforge's loader state (the samples consumed, the seed, the data's fingerprint) in every checkpoint and
+refuses such a resume, or one over other data, in one line before the first step.
 
 Example:
     >>> train, _, _ = build_gpt_datasets("out/a_text_document", 1024, num_samples=(8000, 0, 0), cache_dir="cache/")
     >>> args = TrainingArguments("run/", per_device_train_batch_size=8, max_steps=1000, **TRAINING_ARGUMENTS)
     >>> check_training_arguments(args)
-    >>> Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows).train()
+    >>> Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows,
+    ...         callbacks=[LoaderStateCallback()]).train(resume_from_checkpoint=resume)
 """
 
 from __future__ import annotations
@@ -28,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from corpusforge.errors import ArgumentError
+from corpusforge.data import LoaderStateError, make_loader
+from corpusforge.errors import ArgumentError, MissingExtraError
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError:
+    raise MissingExtraError(
+        "corpusforge.adapters.hf_trainer needs transformers: pip install 'corpusforge[adapters]'"
+    ) from None
 
 IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore_index
 
@@ -36,6 +56,7 @@ TRAINING_ARGUMENTS: dict[str, Any] = {
     "train_sampling_strategy": "sequential",  # corpusforge's order; a random sampler would reshuffle it
     "remove_unused_columns": False,  # else the Trainer drops shift_labels: not a named argument of forward()
     "dataloader_drop_last": True,  # Megatron's sampler drops a last partial batch too
+    "ignore_data_skip": False,  # else a resume trains again from the first sample
 }
 """TrainingArguments options the Trainer needs to give corpusforge's samples in corpusforge's order."""
 
@@ -103,3 +124,74 @@ def collate_rows(features: list[dict[str, Any]]) -> dict[str, Any]:
     from transformers import default_data_collator
 
     return default_data_collator(features)
+
+
+class LoaderStateCallback(TrainerCallback, ExportableState):
+    """corpusforge's loader state in the Trainer's checkpoints (trainer_state.json, as an ExportableState callback),
+    checked when a run resumes: a checkpoint of other data, or one whose steps took another number of samples than
+    this run's (the Trainer would skip its own count of micro-batches, not the samples trained), is refused in one
+    line naming the checkpoint and the fix, before the first step. Needs train_dataset=TrainerSamples(...).
+
+    Example:
+        >>> trainer = Trainer(..., train_dataset=TrainerSamples(train), callbacks=[LoaderStateCallback()])
+        >>> trainer.train(resume_from_checkpoint="run/checkpoint-400")   # saved by 8 ranks, resumed by 4: refused
+        LoaderStateError: resume_from_checkpoint: checkpoint-400 consumed 25600 samples, 64 a step; ...
+    """
+
+    def __init__(self, loader_state: dict[str, Any] | None = None) -> None:
+        self.loader_state = loader_state  # the loader's state_dict at the last step trained
+        self.samples_per_step = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {"loader_state": self.loader_state}, "attributes": {}}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
+        samples = getattr(train_dataloader, "dataset", None)
+        if not isinstance(samples, TrainerSamples):
+            raise ArgumentError(f"LoaderStateCallback keeps the state of TrainerSamples; the Trainer's train_dataset "
+                                f"is a {type(samples).__name__}: pass TrainerSamples(dataset)")  # fmt: skip
+        self.samples_per_step = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        loader = make_loader(samples.dataset, 1)  # only for its state: the fingerprint, seed and count
+        saved = _saved_loader_state(state, type(self).__name__)
+        if state.global_step > 0 and saved is not None:
+            where = f"resume_from_checkpoint: checkpoint-{state.global_step}"
+            try:
+                loader.load_state_dict(saved)
+            except LoaderStateError as e:
+                raise LoaderStateError(f"{where}: {e}") from None
+            check_samples_per_step(where, loader.consumed_samples, state.global_step, args)
+        elif state.global_step > 0:  # a checkpoint saved without this callback: trust the Trainer's count
+            loader.consumed_samples = state.global_step * self.samples_per_step
+        self.loader_state = loader.state_dict()
+        # transformers looks our entry up by name when it saves; a checkpoint saved without this callback has none
+        state.stateful_callbacks[type(self).__name__] = self.state()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.loader_state["consumed_samples"] += self.samples_per_step
+
+
+def check_samples_per_step(where: str, consumed: int, global_step: int, args: Any) -> None:
+    """Refuse a resume at `global_step` after `consumed` samples where the Trainer's skip (global_step steps of this
+    run's size) would not land on them, naming what to set.
+
+    Example:
+        >>> check_samples_per_step("checkpoint-4", 16, 4, TrainingArguments("run/", per_device_train_batch_size=4))
+    """
+    per_step = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if consumed == global_step * per_step:
+        return
+    theirs = f"{consumed // global_step} a step" if consumed % global_step == 0 else "a varying number a step"
+    raise LoaderStateError(
+        f"{where} consumed {consumed} samples in {global_step} steps, {theirs}; a step here takes {per_step} "
+        f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{args.gradient_accumulation_steps} x {args.world_size} ranks), so the Trainer would resume after sample "
+        f"{global_step * per_step}, not {consumed}: set those three to make {consumed // max(1, global_step)} a step, "
+        "as the checkpoint's run did"
+    )
+
+
+def _saved_loader_state(state: Any, name: str) -> dict[str, Any] | None:
+    saved = (state.stateful_callbacks or {}).get(name)
+    if isinstance(saved, list):  # transformers keeps a list when several callbacks of one class were passed
+        saved = saved[-1]
+    return (saved or {}).get("args", {}).get("loader_state")

@@ -2,9 +2,14 @@
 
     python examples/adapters/hf_trainer.py [PREFIX]             # default: out/tiny_text_document
     python examples/adapters/hf_trainer.py [PREFIX] --resume    # after a kill: continues with the next batch
+    torchrun --nproc-per-node 2 examples/adapters/hf_trainer.py [PREFIX] [--resume]   # 2 data-parallel ranks
+                                                                  # (after a first run has tokenized the corpus)
 
 The Trainer takes corpusforge's samples in corpusforge's order (TRAINING_ARGUMENTS) and trains all S next-token
-targets of each (shift_labels); resume_from_checkpoint skips exactly the batches trained.
+targets of each (shift_labels); each data-parallel rank takes its slice of every global batch, as corpusforge's own
+loader gives it; resume_from_checkpoint skips exactly the samples trained. LoaderStateCallback keeps corpusforge's
+loader state in the checkpoint and refuses a resume that would not continue the global order (other data, or a step
+of another number of samples: per_device_train_batch_size x gradient_accumulation_steps x ranks).
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from pathlib import Path
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from corpusforge.adapters.hf_trainer import TRAINING_ARGUMENTS, TrainerSamples, check_training_arguments, collate_rows
+from corpusforge.adapters.hf_trainer import (
+    TRAINING_ARGUMENTS,
+    LoaderStateCallback,
+    TrainerSamples,
+    check_training_arguments,
+    collate_rows,
+)
 from corpusforge.data import build_gpt_datasets
 from corpusforge.tokenizers import load_tokenizer
 
@@ -28,7 +39,8 @@ if not Path(prefix + ".idx").exists():  # the bundled example, tokenized once
 
 tokenizer = load_tokenizer("cl100k_base")  # what preprocess tokenized with
 steps, micro_batch = 10, 4
-train, _, _ = build_gpt_datasets(prefix, seq_length=64, split="99,1,0", num_samples=(steps * micro_batch, 8, 0),
+# enough samples for 2 ranks; the same dataset at any number of ranks, so that a checkpoint resumes at another one
+train, _, _ = build_gpt_datasets(prefix, seq_length=64, split="99,1,0", num_samples=(steps * micro_batch * 2, 8, 0),
                                  cache_dir="out/cache", eod_token_id=tokenizer.eod_id)  # fmt: skip
 config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
@@ -36,5 +48,6 @@ model = LlamaForCausalLM(config)
 args = TrainingArguments("out/hf-trainer", per_device_train_batch_size=micro_batch, max_steps=steps, save_steps=5,
                          logging_steps=5, use_cpu=True, report_to=[], **TRAINING_ARGUMENTS)  # fmt: skip
 check_training_arguments(args)
-trainer = Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows)
+trainer = Trainer(model=model, args=args, train_dataset=TrainerSamples(train), data_collator=collate_rows,
+                  callbacks=[LoaderStateCallback()])  # fmt: skip
 trainer.train(resume_from_checkpoint="--resume" in sys.argv)

@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 
 from loader_data import EOD, VOCAB, write_dataset  # noqa: E402
+from trainkit import free_port  # noqa: E402
 
-from corpusforge.fsutil import save_npy_atomic  # noqa: E402
+from corpusforge.fsutil import save_npy_atomic, write_bytes_atomic  # noqa: E402
 
 HERE = Path(__file__).parent
 SEQ = 32
@@ -52,14 +54,51 @@ def record_step(out: Path, step: int, tokens) -> None:
     save_npy_atomic(Path(out) / f"step-{step:04d}.npy", np.asarray(tokens), durable=False)
 
 
-def recorded(out: Path) -> dict[int, np.ndarray]:
-    """{step: tokens} of every step a job recorded."""
-    return {int(p.stem.split("-")[1]): np.load(p) for p in sorted(Path(out).glob("step-*.npy"))}
+def recorded(out: Path, kind: str = "step") -> dict[int, np.ndarray]:
+    """{step: tokens} of every step a job recorded (kind "loss": {step: loss})."""
+    return {int(p.stem.split("-")[1]): np.load(p) for p in sorted(Path(out).glob(f"{kind}-*.npy"))}
+
+
+def rank_dir(out: Path) -> Path:
+    """Where this process records: `out` in a job of one process, out/rank-R for rank R of a torchrun job."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return Path(out) if world == 1 else Path(out) / f"rank-{os.environ['RANK']}"
+
+
+def record_loss(out: Path, step: int, loss: float) -> None:
+    """Keep the loss a job computed at `step` (1-based)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_npy_atomic(Path(out) / f"loss-{step:04d}.npy", np.float64(loss), durable=False)
+
+
+def record_reads(out: Path, ids: list[int]) -> None:
+    """Keep the sample ids a job read, in order (one file per run)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_npy_atomic(Path(out) / "reads.npy", np.asarray(ids, dtype=np.int64), durable=False)
+
+
+def run_in_turn(main, argv: list[str]) -> None:
+    """`--runs FILE`: each argument list in FILE (JSON) run by `main` in this process, in order: one torchrun launch
+    for several runs, since starting one (torch and the trainer's package imported by every rank) costs more than a
+    tiny run. A list holding `--wait-for PATH` waits until PATH exists first (the test makes it once it has killed
+    the launch whose checkpoint that run resumes)."""
+    import json
+
+    with open(argv[argv.index("--runs") + 1]) as f:
+        runs = json.load(f)
+    for run in runs:
+        if "--wait-for" in run:
+            at = run.index("--wait-for")
+            wait_for, run = Path(run[at + 1]), run[:at] + run[at + 2 :]
+            while not wait_for.exists():
+                time.sleep(0.05)
+        main(run)
 
 
 def block_until_killed(marker: Path) -> None:
-    """Tell the test the checkpoint is written, then wait for SIGKILL."""
-    Path(marker).write_text(str(os.getpid()))
+    """Tell the test the checkpoint is written (the marker holds this process's pid), then wait for SIGKILL."""
+    Path(marker).parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(marker, str(os.getpid()).encode(), durable=False)
     while True:
         time.sleep(1)
 
@@ -80,9 +119,49 @@ def job_command(script: str, *args: str) -> list[str]:
     return [sys.executable, str(HERE / script), *args]
 
 
+def torchrun_job(script: str, nproc: int, *args: str) -> list[str]:
+    """`script` under torchrun, `nproc` processes on this machine (gloo ranks)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", str(HERE / script), *args]  # fmt: skip
+
+
 def start_job(command: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks on 2 cores: a thread pool each would only contend
     with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def finish_job(proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Wait for `proc` to end well (killed after `timeout` seconds: a hung collective fails the test)."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, f"job exit {proc.returncode}: {Path(log).read_text()[-4000:]}"
+
+
+def kill_ranks_at_markers(proc: subprocess.Popen, markers: list[Path], log: Path, timeout: float = 180) -> None:
+    """SIGKILL every rank of the torchrun job `proc` once each has written its marker (its pid, after its part of
+    the checkpoint), as a node failure would; torchrun then ends (fail if it ends or stalls before)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(Path(m).exists() for m in markers):
+            tail = Path(log).read_text()[-3000:]
+            if proc.poll() is not None:
+                raise AssertionError(f"job ended ({proc.returncode}) before its checkpoint: {tail}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no checkpoint markers after {timeout} s: {tail}")
+            time.sleep(0.05)
+        for marker in markers:
+            os.kill(int(Path(marker).read_text()), signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode != 0, "torchrun ended well after its ranks were killed"
 
 
 def kill_at_marker(proc: subprocess.Popen, marker: Path, log: Path, timeout: float = 180) -> None:

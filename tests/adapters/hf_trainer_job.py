@@ -1,28 +1,51 @@
 """A few CPU steps of a tiny Llama with the real transformers.Trainer on corpusforge's samples (TrainerSamples),
-recording each step's batch as the model receives it; checkpoints every SAVE_EVERY steps.
+recording each step's batch as the model receives it (per rank), the ids each rank reads, and the logged loss;
+checkpoints every SAVE_EVERY steps. Under torchrun, each process is a data-parallel rank (DDP on gloo).
 
-    python hf_trainer_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume]
+    python hf_trainer_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume | --resume-from CKPT]
+        [--batch B]
+    torchrun --nproc-per-node 2 hf_trainer_job.py --runs RUNS.json    (several runs, one after another)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from adapter_harness import MBS, SAVE_EVERY, SEQ, STEPS, VOCAB, blend_of, block_until_killed, job_arguments, record_step  # noqa: E402
+from adapter_harness import (  # noqa: E402
+    MBS,
+    SAVE_EVERY,
+    SEQ,
+    STEPS,
+    VOCAB,
+    blend_of,
+    block_until_killed,
+    job_arguments,
+    rank_dir,
+    record_loss,
+    record_reads,
+    record_step,
+    run_in_turn,
+)
+
+SAMPLES = STEPS * MBS * 2  # enough for STEPS steps of 2 ranks
 
 
-def train_dataset(corpora: list[str], cache: str):
+def train_dataset(corpora: list[str], cache: str, seed: int = 5):
     from corpusforge.data import build_gpt_datasets
 
-    train, _, _ = build_gpt_datasets(blend_of(corpora), SEQ, "1", 5, (STEPS * MBS, 0, 0), cache, eod_token_id=0)
+    train, _, _ = build_gpt_datasets(blend_of(corpora), SEQ, "1", seed, (SAMPLES, 0, 0), cache, eod_token_id=0)
     return train
 
 
 def main(argv: list[str] | None = None) -> None:
     p = job_arguments()
+    p.add_argument("--resume-from", help="a checkpoint directory of another run to resume from")
+    p.add_argument("--batch", type=int, default=MBS, help="per_device_train_batch_size")
+    p.add_argument("--seed", type=int, default=5, help="the dataset's")
     a = p.parse_args(argv)
 
     import torch
@@ -30,18 +53,20 @@ def main(argv: list[str] | None = None) -> None:
 
     from corpusforge.adapters.hf_trainer import (
         TRAINING_ARGUMENTS,
+        LoaderStateCallback,
         TrainerSamples,
         check_training_arguments,
         collate_rows,
     )
 
     out = Path(a.out)
+    mine = rank_dir(out)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)  # fmt: skip
     model = LlamaForCausalLM(config)
     args = TrainingArguments(
-        output_dir=str(out / "run"), per_device_train_batch_size=MBS, max_steps=STEPS, save_strategy="steps",
+        output_dir=str(out / "run"), per_device_train_batch_size=a.batch, max_steps=STEPS, save_strategy="steps",
         save_steps=SAVE_EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, learning_rate=1e-3,
         disable_tqdm=True, **TRAINING_ARGUMENTS,
     )  # fmt: skip
@@ -50,18 +75,37 @@ def main(argv: list[str] | None = None) -> None:
     class Record(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             if state.global_step == a.block_after:
-                block_until_killed(out / "checkpointed")
+                block_until_killed(mine / "checkpointed")
 
-    samples = TrainerSamples(train_dataset(a.corpora.split(","), a.cache))
-    trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collate_rows, callbacks=[Record()])
+    class Reads(TrainerSamples):  # the ids this rank reads, in order (a resume must not read the trained ones)
+        def __getitems__(self, ids):
+            reads.extend(ids)
+            return super().__getitems__(ids)
+
+    reads: list[int] = []
+    samples = Reads(train_dataset(a.corpora.split(","), a.cache, a.seed))
+    trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collate_rows,
+                      callbacks=[Record(), LoaderStateCallback()])  # fmt: skip
 
     def record(module, args_, kwargs):  # the batch as the model gets it, at the step being trained
         batch = torch.stack([kwargs["input_ids"], kwargs["shift_labels"]])
-        record_step(out, trainer.state.global_step + 1, batch.numpy())
+        record_step(mine, trainer.state.global_step + 1, batch.numpy())
+
+    def loss(module, args_, kwargs, output):  # this rank's loss on it, unrounded (the Trainer logs 4 digits)
+        record_loss(mine, trainer.state.global_step + 1, output.loss.item())
 
     model.register_forward_pre_hook(record, with_kwargs=True)
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    model.register_forward_hook(loss, with_kwargs=True)
+    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    record_reads(mine, reads)
 
 
 if __name__ == "__main__":
-    main()
+    if "--runs" in sys.argv:
+        run_in_turn(main, sys.argv[1:])
+    else:
+        main()
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

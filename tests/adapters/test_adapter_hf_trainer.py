@@ -1,12 +1,29 @@
 """corpusforge's samples in the real transformers.Trainer (corpusforge.adapters.hf_trainer): the batches the model
 receives are corpusforge's own loader's, and a run killed with SIGKILL after a checkpoint and resumed from it
-trains exactly the uninterrupted run's next batches."""
+trains exactly the uninterrupted run's next batches. Under torchrun, 2 DDP ranks on gloo read exactly corpusforge's
+2-rank loader's samples (each its slice of every global batch, none twice, none skipped), and ranks SIGKILLed after
+a checkpoint resume with the next global batch and the uninterrupted run's losses; a resume at another number of
+ranks continues the global order where a step keeps its number of samples, and is refused where it does not."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from adapter_harness import KILL_AFTER, MBS, assert_resumed_exactly, killed_and_resumed, make_corpora
+from adapter_harness import (
+    KILL_AFTER,
+    MBS,
+    STEPS,
+    assert_resumed_exactly,
+    finish_job,
+    kill_ranks_at_markers,
+    killed_and_resumed,
+    make_corpora,
+    recorded,
+    start_job,
+    torchrun_job,
+)
 
 from corpusforge.adapters.hf_trainer import (
     IGNORE_INDEX,
@@ -15,7 +32,7 @@ from corpusforge.adapters.hf_trainer import (
     check_training_arguments,
     collate_rows,
 )
-from corpusforge.data import build_gpt_datasets, make_loader
+from corpusforge.data import LoaderStateError, PretrainingBatchSampler, build_gpt_datasets, make_loader
 from corpusforge.errors import ArgumentError
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +94,12 @@ def test_collate_rows_gives_the_default_collators_batches(tmp_path, corpora):
 
 @pytest.mark.parametrize("change", list(TRAINING_ARGUMENTS))
 def test_arguments_that_would_reorder_or_drop_are_refused(tmp_path, change):
-    wrong = {"train_sampling_strategy": "random", "remove_unused_columns": True, "dataloader_drop_last": False}
+    wrong = {
+        "train_sampling_strategy": "random",
+        "remove_unused_columns": True,
+        "dataloader_drop_last": False,
+        "ignore_data_skip": True,
+    }
     args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[],
                                           **{**TRAINING_ARGUMENTS, change: wrong[change]})  # fmt: skip
     with pytest.raises(ArgumentError, match=change):
@@ -96,3 +118,147 @@ def test_killed_after_checkpoint_resumes_with_the_next_batch(tmp_path, corpora):
     for step, batch in enumerate(own, start=1):
         np.testing.assert_array_equal(uninterrupted[step][0], batch["tokens"], err_msg=f"step {step} tokens")
         np.testing.assert_array_equal(uninterrupted[step][1], batch["labels"], err_msg=f"step {step} targets")
+
+
+# 2 ranks under torchrun: one launch of 2 ranks is SIGKILLed after its checkpoint at KILL_AFTER; a second runs, in
+# turn, the uninterrupted 2-rank run, the killed run resumed by 2 ranks (once the first launch is killed), and the
+# checkpoint of a 1-rank run (made here) resumed by 2 ranks of half its micro-batch.
+
+
+def rank_records(out, kind: str = "step") -> list[dict]:
+    return [recorded(out / f"rank-{r}", kind) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(corpora, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_two_ranks")
+    base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
+    job.train_dataset(corpora, str(root / "cache"))  # the index caches, built once before the ranks read them
+    killed, resume_now = root / "killed", root / "killed-and-cleared"
+    (root / "turns.json").write_text(json.dumps([
+        [*base, "--out", str(root / "uninterrupted")],
+        [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+        [*base, "--out", str(root / "one_at_two"), "--resume-from", str(root / "one/run/checkpoint-4"), "--batch", "1"],
+    ]))  # fmt: skip
+    logs = root / "killed.log", root / "turns.log"
+    to_kill = start_job(torchrun_job("hf_trainer_job.py", 2, *base, "--out", str(killed), "--block-after",
+                                     str(KILL_AFTER)), logs[0])  # fmt: skip
+    turns = start_job(torchrun_job("hf_trainer_job.py", 2, "--runs", str(root / "turns.json")), logs[1])
+    try:
+        job.main([*base, "--out", str(root / "one")])  # 1 rank, here, while the launches start
+        kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
+        before = rank_records(killed)
+        for path in killed.glob("rank-*/*.npy"):
+            path.unlink()
+        resume_now.touch()
+        finish_job(turns, logs[1], timeout=300)
+    finally:
+        for proc in (to_kill, turns):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return root, base, before
+
+
+def own_rank_batches(train, rank: int) -> list[dict]:
+    """corpusforge's own 2-rank loader's batches for `rank`, as numpy."""
+    loader = make_loader(train, MBS, rank, 2)
+    return [{k: v.numpy() for k, v in b.items()} for _, b in zip(range(STEPS), loader)]
+
+
+def own_rank_ids(train, rank: int, consumed: int = 0, steps: int = STEPS) -> list[int]:
+    sampler = PretrainingBatchSampler(len(train), consumed, MBS, rank, 2)
+    return [i for _, ids in zip(range(steps), sampler) for i in ids]
+
+
+@pytest.mark.slow
+def test_two_ranks_read_the_loaders_global_order(runs, corpora):
+    """Each DDP rank trains on corpusforge's 2-rank loader's batches for that rank (tokens and targets) and reads
+    only those samples; together the ranks read the global order once, none twice, none skipped."""
+    root, _, _ = runs
+    train = job.train_dataset(corpora, str(root / "cache"))
+    steps = rank_records(root / "uninterrupted")
+    for rank in range(2):
+        assert sorted(steps[rank]) == list(range(1, STEPS + 1))
+        for step, own in enumerate(own_rank_batches(train, rank), start=1):
+            np.testing.assert_array_equal(steps[rank][step][0], own["tokens"], err_msg=f"rank {rank} step {step}")
+            np.testing.assert_array_equal(steps[rank][step][1], own["labels"], err_msg=f"rank {rank} step {step}")
+        reads = np.load(root / "uninterrupted" / f"rank-{rank}" / "reads.npy").tolist()
+        assert reads == own_rank_ids(train, rank), f"rank {rank}'s reads"
+    both = np.concatenate([np.load(root / "uninterrupted" / f"rank-{r}" / "reads.npy") for r in range(2)])
+    assert sorted(both.tolist()) == list(range(STEPS * MBS * 2))
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_resume_with_the_next_global_batch(runs, corpora):
+    """Both ranks SIGKILLed after the checkpoint at KILL_AFTER (their ranks blocked there, the next batches
+    fetched); resumed by 2 ranks with resume_from_checkpoint, each trains exactly the uninterrupted run's next
+    batches with the uninterrupted run's losses, bit for bit, and reads only their samples (the trained ones are
+    skipped without a read)."""
+    root, _, before = runs
+    train = job.train_dataset(corpora, str(root / "cache"))
+    uninterrupted, after = rank_records(root / "uninterrupted"), rank_records(root / "killed")
+    losses, resumed_losses = rank_records(root / "uninterrupted", "loss"), rank_records(root / "killed", "loss")
+    for rank in range(2):
+        assert_resumed_exactly(uninterrupted[rank], before[rank], after[rank], KILL_AFTER)
+        assert sorted(resumed_losses[rank]) == list(range(KILL_AFTER + 1, STEPS + 1))
+        for step, loss in resumed_losses[rank].items():
+            assert loss == losses[rank][step], f"rank {rank} step {step}: loss {loss} != {losses[rank][step]}"
+        reads = np.load(root / "killed" / f"rank-{rank}" / "reads.npy").tolist()
+        assert reads == own_rank_ids(train, rank, KILL_AFTER * MBS * 2, STEPS - KILL_AFTER), f"rank {rank}'s reads"
+
+
+def global_steps(per_rank: list[dict]) -> dict[int, np.ndarray]:
+    """{step: the global batch's tokens}: the ranks' micro-batches in rank order."""
+    return {s: np.concatenate([r[s][0] for r in per_rank]) for s in per_rank[0]}
+
+
+def global_losses(per_rank: list[dict]) -> dict[int, float]:
+    """{step: the global batch's mean loss}: the ranks' losses added, since a rank's model divides its loss by the
+    global batch's target count (transformers' average_tokens_across_devices)."""
+    return {s: float(np.sum([r[s] for r in per_rank])) for s in per_rank[0]}
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_number_of_ranks_continues_the_global_order(runs, corpora):
+    """A step of the same number of samples at another number of ranks: a 1-rank run's checkpoint resumed by 2
+    ranks of half its micro-batch, and the 2-rank run's resumed by 1 rank of twice theirs (here), train the global
+    batches the uninterrupted run of the checkpoint's layout trains next, with its losses (to float rounding: the
+    gradient is averaged over the ranks instead of taken over one batch)."""
+    root, base, _ = runs
+    one = recorded(root / "one")
+    one_at_two = rank_records(root / "one_at_two")
+    assert sorted(one_at_two[0]) == list(range(KILL_AFTER + 1, STEPS + 1))
+    for step, tokens in global_steps(one_at_two).items():
+        np.testing.assert_array_equal(tokens, one[step][0], err_msg=f"1 -> 2 ranks, step {step}")
+    one_losses = recorded(root / "one", "loss")
+    for step, loss in global_losses(rank_records(root / "one_at_two", "loss")).items():
+        assert loss == pytest.approx(float(one_losses[step][0]), rel=1e-5), f"1 -> 2 ranks, step {step}"
+
+    two_at_one = root / "two_at_one"
+    job.main([*base, "--out", str(two_at_one), "--resume-from", str(root / "killed/run/checkpoint-4"), "--batch", "4"])
+    uninterrupted = global_steps(rank_records(root / "uninterrupted"))
+    resumed = recorded(two_at_one)
+    assert sorted(resumed) == list(range(KILL_AFTER + 1, STEPS + 1))
+    for step, tokens in resumed.items():
+        np.testing.assert_array_equal(tokens[0], uninterrupted[step], err_msg=f"2 -> 1 rank, step {step}")
+    losses = global_losses(rank_records(root / "uninterrupted", "loss"))
+    for step, loss in recorded(two_at_one, "loss").items():
+        assert float(loss[0]) == pytest.approx(losses[step], rel=1e-5), f"2 -> 1 rank, step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        (["--batch", "2"], "checkpoint-4 consumed 16 samples in 4 steps, 4 a step; a step here takes 2"),
+        (["--batch", "4", "--seed", "6"], "checkpoint-4: the loader state was saved for other data"),
+    ],
+)
+def test_a_resume_that_would_not_continue_the_global_order_is_refused(runs, tmp_path, change, refusal):
+    """The 2-rank checkpoint resumed by 1 rank of the same micro-batch (the Trainer would skip 8 samples, not the
+    16 trained), or over data of another seed: refused in one line naming the checkpoint, before a step."""
+    root, base, _ = runs
+    with pytest.raises(LoaderStateError, match=refusal):
+        job.main([*base, "--out", str(tmp_path), "--resume-from", str(root / "killed/run/checkpoint-4"), *change])
+    assert not recorded(tmp_path)
