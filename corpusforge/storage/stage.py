@@ -67,6 +67,10 @@ class StagedBinReader(BinReader):
     def memory(self) -> np.ndarray | None:  # type: ignore[override]
         return None if self._local is None else self._local.memory
 
+    @property
+    def memory_location(self) -> str:
+        return self.location if self._local is None else self._local.location
+
     def _switched(self) -> None:
         """GPTDataset remembers whether its reader has a memory map (its _direct_args cache, made at its first
         batch, from the source): forget it, so that its next batch takes the memory-map path of the copy. Called
