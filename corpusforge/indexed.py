@@ -46,6 +46,7 @@ import mmap
 import os
 import stat
 import struct
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -835,6 +836,11 @@ class BinReader:
             raise AttributeError(f"{self.name} is read with {self.read_mode}: its tokens are read with read_spans")
         return self.memory
 
+    @property
+    def memory_location(self) -> str:
+        """The file `memory` maps: what a watchdog names when a copy from it hangs."""
+        return self.location
+
     def load_kernels(self) -> None:
         """Compile (or load) what reads need, before DataLoader workers fork (they inherit it)."""
 
@@ -938,7 +944,18 @@ class MMapBinReader(LocalBinReader):
 
     def read_spans(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-        return copy_spans(self._mapped(), starts, lengths, np.empty(int(lengths.sum()), self.dtype))
+        tokens, out = self._mapped(), np.empty(int(lengths.sum()), self.dtype)
+        watch = _read_watch
+        if watch is None or not len(starts):
+            return copy_spans(tokens, starts, lengths, out)
+        # A read a watchdog sees, as pread's: the slot names the file, and the kernel stores each span's byte offset
+        # in its OFFSET word before copying it (a page fault a hung storage never answers waits there).
+        slot = watch.slot_for(self.location)
+        start = watch.mark_begin(slot, int(starts[0]) * self.dtype.itemsize, out.nbytes, time.monotonic_ns())
+        try:
+            return copy_spans(tokens, starts, lengths, out, slot[watch.OFFSET : watch.OFFSET + 1])
+        finally:
+            watch.mark_end(slot, start, time.monotonic_ns())
 
     def load_kernels(self) -> None:
         self.read_spans(np.zeros(0, np.int64), np.zeros(0, np.int64))  # compiles once per dtype, then a no-op call
@@ -959,21 +976,45 @@ def regular_file_size(path: str) -> int:
     return info.st_size
 
 
-def copy_spans(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> np.ndarray:
+# corpusforge.storage.readwatch, which registers itself here when imported (this module cannot import the storage
+# package, which imports it): MMapBinReader.read_spans marks its copies in it. None: no watchdog in this process.
+_read_watch: Any = None
+
+
+def watch_mapped_reads(readwatch: Any) -> None:
+    """Have MMapBinReader.read_spans mark its copies in `readwatch` (corpusforge.storage.readwatch calls this).
+
+    Example:
+        >>> watch_mapped_reads(corpusforge.storage.readwatch)
+    """
+    global _read_watch
+    _read_watch = readwatch
+
+
+# Where copy_spans stores its span offsets when no read slot is given.
+_NOWHERE = np.zeros(1, np.int64)
+
+
+def copy_spans(
+    tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray, at: np.ndarray | None = None
+) -> np.ndarray:
     """Fill `out` with tokens[starts[k] : starts[k] + lengths[k]] for every k, back to back: one memcpy per span,
-    compiled, no index arrays. Returns `out`.
+    compiled, no index arrays. Returns `out`. `at` (one int64, a read slot's OFFSET word): the byte offset of the span
+    being copied is stored there before it is copied.
 
     Example:
         >>> copy_spans(np.arange(10), np.array([2, 7]), np.array([2, 2]), np.empty(4, np.int64)).tolist()
         [2, 3, 7, 8]
     """
-    _span_kernel()(np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64), out)
+    at = _NOWHERE if at is None else at
+    _span_kernel()(np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64), out, at)
     return out
 
 
-def _copy_spans_loop(tokens, starts, lengths, out) -> None:
+def _copy_spans_loop(tokens, starts, lengths, out, at) -> None:
     pos = 0
     for k in range(len(starts)):
+        at[0] = starts[k] * tokens.itemsize
         out[pos : pos + lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
         pos += lengths[k]
 

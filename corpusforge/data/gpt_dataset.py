@@ -28,7 +28,9 @@ thousands of them. A blend's datasets are built and cached together (SharedIndic
 
 Sample i is then the sample-index entry shuffle[i], read across as many documents as it spans, a whole batch per
 call (copied straight from the memory map where the file is read through it), and made into tokens, labels, loss
-mask and position ids by corpusforge/data/batch.py. Tokens come out as int32 (widen to int64 on the GPU).
+mask and position ids by corpusforge/data/batch.py. Tokens come out as int32 (widen to int64 on the GPU). A copy from
+the map is a read a watchdog sees (storage/readwatch.py): the kernel marks its slot (file, bytes, since when) and
+stores each piece's byte offset there before copying it, so that a page fault a hung storage never answers is named.
 
 Example:
     >>> ds = GPTDataset(IndexedDataset("out/a_text_document"), "train", (0, 969), 1000,
@@ -44,6 +46,7 @@ import functools
 import math
 import os
 import re
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -70,6 +73,8 @@ from corpusforge.data.mt19937 import seeded, shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
 from corpusforge.jit import njit, ready, started
+from corpusforge.storage import readwatch
+from corpusforge.storage.readwatch_kernels import OFFSET, mark_begin, mark_end, monotonic_ns
 
 try:
     from corpusforge import _sample_index
@@ -586,7 +591,7 @@ _TOUCH_BYTES = 64
 @njit(nogil=True)
 def _gather(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text, block
+    text, block, slot
 ):  # fmt: skip
     """The (B, S + extra) text of samples `ids`, copied straight from the token array `source` (a memory map) into
     `text` (the same dtype; one of its own where `text` has no row per sample): no per-piece arrays, no second copy;
@@ -596,7 +601,10 @@ def _gather(
 
     Two passes: the first loads one token per cache line of every piece, loads that do not wait on each other, so
     the TLB misses and DRAM latency of the whole batch overlap (a page walk is costly in a VM); the second copies
-    from cache. Measured here: a batch of 8 x 2049 tokens in ~36 us instead of ~47 us."""
+    from cache. Measured here: a batch of 8 x 2049 tokens in ~36 us instead of ~47 us.
+
+    `slot` (readwatch.slot_for the map's file) is marked in a read for the call, and holds the byte offset of the
+    piece being read: a page fault that never returns (a hung storage) is seen where it waits."""
     for b in range(len(ids)):
         if ids[b] < 0 or ids[b] >= len(shuffle_index):
             return -1
@@ -606,6 +614,7 @@ def _gather(
     width = text.shape[1]
     short = 0
     touched = 0
+    start = mark_begin(slot, 0, len(ids) * width * itemsize, monotonic_ns()) if len(ids) else 0
     for copy in range(2):
         for b in range(len(ids)):
             row = np.int64(shuffle_index[ids[b]])
@@ -617,6 +626,7 @@ def _gather(
                 begin = first_off if position == first else 0
                 end = last_off + extra if position == last else np.int64(sequence_lengths[doc])
                 at = sequence_pointers[doc] // itemsize + begin
+                slot[OFFSET] = at * itemsize  # one store per piece: the offset a hung read names
                 if copy:
                     text[b, filled : filled + end - begin] = source[at : at + end - begin]
                 else:
@@ -624,6 +634,8 @@ def _gather(
                         touched ^= source[at + c]
                 filled += end - begin
             short |= filled < width
+    if len(ids):
+        mark_end(slot, start, monotonic_ns())
     if short == 0 and block.shape[1] == len(ids):
         fill_fields(text, options, block)
     return np.int64(short) + 0 * np.int64(touched)  # touched is used, so the first pass is not optimised away
@@ -636,13 +648,13 @@ _NO_FIELDS = np.empty((4, 0, 0), np.int32)
 @njit(nogil=True)
 def _gather_bounded(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text, block, cu_seqlens, max_seqlen
+    text, block, cu_seqlens, max_seqlen, slot
 ):  # fmt: skip
     """_gather, then _document_boundaries of the same samples (position ids per document where `block` has rows), in
     one call: a numba dispatch costs ~1 us, as much as the boundaries themselves. Returns _gather's status, or -2."""
     status = _gather(
         ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
-        options, text, block,
+        options, text, block, slot,
     )  # fmt: skip
     if status != 0:
         return status
@@ -656,7 +668,7 @@ def _gather_bounded(
 @njit(nogil=True)
 def _gather_raw_bounded(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text
+    text, slot
 ):  # fmt: skip
     """_gather of the text alone (what a loader worker sends), and the samples' boundaries as RawBatch.boundaries
     takes them: cu_seqlens with only as many columns as the batch's samples use (a few, against S + 1: a sample of
@@ -665,7 +677,7 @@ def _gather_raw_bounded(
     none = np.empty((b, 0), np.int32)
     status = _gather(
         ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
-        options, text, np.empty((4, 0, 0), np.int32),
+        options, text, np.empty((4, 0, 0), np.int32), slot,
     )  # fmt: skip
     if status != 0:
         return status, none, none[:, 0]
@@ -684,7 +696,7 @@ def _gather_raw_bounded(
 @njit(nogil=True)
 def _gather_flat(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text, out, s
+    text, out, s, slot
 ):  # fmt: skip
     """_gather_bounded into `out`, int32 laid out as batch.bounded_block (or one flat array of B * (5S + 2) laid out
     so): the (4, B, S) block, cu_seqlens (B, S + 1), then max_seqlen (B,): the views are made here, not by numpy
@@ -696,7 +708,7 @@ def _gather_flat(
     max_seqlen = flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)]
     return _gather_bounded(
         ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source,
-        options, text, block, cu_seqlens, max_seqlen,
+        options, text, block, cu_seqlens, max_seqlen, slot,
     )  # fmt: skip
 
 
@@ -711,14 +723,32 @@ _NUMPY_SERVED = [0]
 
 def _gather_numpy(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
-    text, block
+    text, block, slot
 ):  # fmt: skip
     """_gather in numpy for a few samples (a slice copy per document piece, then batch.fill_fields_numpy): the same
-    block and the same return codes, without numba. `text` is unused (the rows are made here)."""
+    block, the same return codes and the same marks in `slot`, without numba. `text` is unused (the rows are made
+    here)."""
     if len(ids) and (ids.min() < 0 or ids.max() >= len(shuffle_index)):
         return -1
     extra = int(options[0])
     text = np.empty((len(ids), block.shape[2] + extra), source.dtype)
+    start = readwatch.mark_begin(slot, 0, text.size * itemsize, time.monotonic_ns())
+    try:
+        short = _copy_numpy(ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers,
+                            itemsize, source, extra, text, slot)  # fmt: skip
+    finally:
+        readwatch.mark_end(slot, start, time.monotonic_ns())
+    if short:
+        return 1
+    fill_fields_numpy(text, options, block)
+    return 0
+
+
+def _copy_numpy(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, extra,
+    text, slot
+) -> bool:  # fmt: skip
+    """_gather_numpy's copy of the samples' text; whether one is short."""
     for b, i in enumerate(ids.tolist()):
         row = int(shuffle_index[i])
         (first, first_off), (last, last_off) = sample_index[row].tolist(), sample_index[row + 1].tolist()
@@ -728,12 +758,12 @@ def _gather_numpy(
             begin = first_off if position == first else 0
             end = last_off + extra if position == last else int(sequence_lengths[doc])
             at = int(sequence_pointers[doc]) // itemsize + begin
+            slot[OFFSET] = at * itemsize
             text[b, filled : filled + end - begin] = source[at : at + end - begin]
             filled += end - begin
         if filled < text.shape[1]:
-            return 1
-    fill_fields_numpy(text, options, block)
-    return 0
+            return True
+    return False
 
 
 @njit(nogil=True)
@@ -1013,6 +1043,7 @@ class GPTDataset:
             >>> ds.reader_changed()
         """
         self.__dict__.pop("_direct", None)
+        self.__dict__.pop("_mapped_path", None)
 
     def _direct_args(self) -> tuple | None:
         """The arguments of _gather for this dataset but the block, kept after the first call; None where
@@ -1035,8 +1066,13 @@ class GPTDataset:
                     self._options(),
                     np.empty((0, 0), memory.dtype),  # no text: _gather makes its own scratch
                 )
+                self._mapped_path = self.indexed.reader.memory_location  # what readwatch names (_slot)
             self._direct = args
         return args
+
+    def _slot(self) -> np.ndarray:
+        """This process's readwatch slot, naming the mapped .bin, for a gather from it (after _direct_args)."""
+        return readwatch.slot_for(self._mapped_path)
 
     def _read_fields(self, ids: np.ndarray, block: np.ndarray) -> bool:
         """Fill the (4, B, S) int32 `block` with the fields of samples `ids` in one compiled pass from the memory
@@ -1047,14 +1083,14 @@ class GPTDataset:
         args = self._direct_args()
         if args is not None and _NUMPY_SERVED[0] < _NUMPY_SAMPLES and not (ready(_gather) or started()):
             _NUMPY_SERVED[0] += len(ids)
-            return _gather_numpy(ids, *args, block) == 0
-        return args is not None and _gather(ids, *args, block) == 0
+            return _gather_numpy(ids, *args, block, self._slot()) == 0
+        return args is not None and _gather(ids, *args, block, self._slot()) == 0
 
     def _read_flat(self, ids: np.ndarray, flat: np.ndarray) -> bool:
         """_read_bounded into `flat`, int32 laid out as batch.bounded_block (see _gather_flat)."""
         args = self._direct_args()
         if args is not None and (started() or ready(_gather_flat)):
-            status = _gather_flat(ids, *args, flat, self.config.seq_length)
+            status = _gather_flat(ids, *args, flat, self.config.seq_length, self._slot())
             if status != -2:
                 return status == 0
         b, s, flat = len(ids), self.config.seq_length, flat.reshape(-1)
@@ -1073,7 +1109,7 @@ class GPTDataset:
                 return False
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
             return True
-        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen)
+        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen, self._slot())
         if status == -2:
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])  # raises, naming the dataset
         return status == 0
@@ -1136,7 +1172,8 @@ class GPTDataset:
         bounded = self.config.document_boundaries and memory is not None and started()
         if bounded:  # the text and the boundaries, in as few columns as they take, in one compiled call
             text = np.empty((len(ids), width), memory.dtype)
-            status, boundaries, max_seqlen = _gather_raw_bounded(ids, *self._direct_args()[:-1], text)
+            args = self._direct_args()[:-1]
+            status, boundaries, max_seqlen = _gather_raw_bounded(ids, *args, text, self._slot())
             if status == 0:
                 return RawBatch(text, False, None, boundaries, max_seqlen)
             if status == -2:
@@ -1155,6 +1192,7 @@ class GPTDataset:
                 self._options(),
                 text,
                 _NO_FIELDS,
+                readwatch.slot_for(indexed.reader.memory_location),
             )
             if status == 0:
                 return self._with_boundaries(ids, RawBatch(text, maybe_padded=False))
@@ -1303,6 +1341,7 @@ class GPTDataset:
         # (IndexedDataset.__reduce__), and cached indices are re-mapped by their paths.
         state = self.__dict__.copy()
         state.pop("_direct", None)  # holds the token memory map: rebuilt where it is unpickled
+        state.pop("_mapped_path", None)  # rebuilt with it
         state.pop("_boundary_args", None)  # views of the indices: rebuilt where it is unpickled
         for name in ("document_index", "sample_index", "shuffle_index"):
             # slices of a blend's shared indices travel as the shared arrays (once per pickle) and a position

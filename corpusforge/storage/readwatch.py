@@ -2,8 +2,12 @@
 watchdog (corpusforge.train.watchdog) needs to name a read that hangs (file, offset, bytes, since when) and to
 compare it with the storage's p50/p99 so far.
 
-The readers of the seam (pread, O_DIRECT, remote blocks) call `begin`/`advance`/`end` around their reads. Each
-process writes only its own slot: a few int64 stores and two clock reads per read, no lock, no system call. A slot
+The readers of the seam (pread, O_DIRECT, remote blocks) call `begin`/`advance`/`end` around their reads. A copy out
+of a memory map (a page fault that a hung storage never answers, inside compiled code) is marked from inside its
+kernel: `slot_for(path)` is the process's slot naming that file, which the kernel passes to the compiled
+`mark_begin`/`mark_end` (readwatch_kernels.py) and into whose OFFSET word it stores each piece's byte offset before
+copying it. Each process writes only its own slot: a few int64 stores and two clock reads per read, no lock, no
+system call. A slot
 lives in process memory until a watchdog calls `share(path)`: then the slots are a small file in /dev/shm (path in
 the environment, CORPUSFORGE_READ_SLOTS) that DataLoader workers, forked or spawned after it, map and claim one
 slot each of, so the rank's main process sees where its workers are stuck.
@@ -27,10 +31,13 @@ import fcntl
 import math
 import mmap
 import os
+import sys
 import time
 from typing import Any
 
 import numpy as np
+
+from corpusforge import indexed
 
 ENV = "CORPUSFORGE_READ_SLOTS"
 PID, START, OFFSET, NBYTES, READS = range(5)
@@ -68,11 +75,63 @@ class _Slots:
 _state: _Slots | None = None
 
 
+def _forget() -> None:
+    """In a forked child (a DataLoader worker): its first read claims a slot of its own (slot_for checks no pid)."""
+    global _state
+    _state = None
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
 def _slots() -> _Slots:
     global _state
     if _state is None or _state.pid != os.getpid():  # first read of this process, or a forked worker's
         _state = _Slots(os.environ.get(ENV))
     return _state
+
+
+def _name(s: _Slots, location: Any) -> None:
+    """Write `location` into the slot's path words; once per file switch, not per read."""
+    raw = os.fsencode(os.fspath(location))[: PATH_BYTES - 1]
+    s.mine[HEAD + HIST :] = 0
+    s.mine[HEAD + HIST :].view(np.uint8)[: len(raw)] = np.frombuffer(raw, np.uint8)
+    s.last_location = location
+
+
+def slot_for(location: Any) -> np.ndarray:
+    """This process's slot (WORDS int64), naming `location` as the file of the reads marked in it next: what a
+    compiled copy out of a memory map marks with mark_begin/mark_end and stores its offsets into. ~0.1 us when the
+    file is the last one named (a copy per sample calls it).
+
+    Example:
+        >>> slot = slot_for("/data/a_text_document.bin")
+        >>> t = mark_begin(slot, 4096, 8192, time.monotonic_ns()); current()[0]["offset"]
+        4096
+    """
+    s = _state
+    if s is None or s.last_location is not location:
+        s = _slots()
+        _name(s, location)
+    return s.mine
+
+
+def mark_begin(slot: np.ndarray, offset: int, nbytes: int, now: int) -> int:
+    """`slot` is in a read of `nbytes` bytes from byte `offset` since `now` (CLOCK_MONOTONIC ns); returns `now`.
+    Plain numpy stores, so that numba compiles the same code for kernels (readwatch_kernels.mark_begin)."""
+    slot[OFFSET] = offset
+    slot[NBYTES] = nbytes
+    slot[START] = now  # last: a watchdog takes a slot with a start for one in a read
+    return now
+
+
+def mark_end(slot: np.ndarray, start_ns: int, now: int) -> None:
+    """The read of `slot` begun at `start_ns` has returned (or raised) at `now`: its duration goes into the
+    histogram. Compiled for kernels as readwatch_kernels.mark_end."""
+    us = max((now - start_ns) // 1000, 1)
+    slot[START] = 0
+    slot[READS] += 1
+    slot[HEAD + min(int(math.log2(us) * 4), HIST - 1)] += 1
 
 
 def share(path: str) -> None:
@@ -103,16 +162,7 @@ def unshare() -> None:
 
 def begin(location: Any, offset: int, nbytes: int) -> int:
     """Mark this process as in a read of `nbytes` bytes of `location` from byte `offset`; returns its start (ns)."""
-    s = _slots()
-    if location is not s.last_location:  # the path bytes are written once per file switch, not per read
-        raw = os.fsencode(os.fspath(location))[: PATH_BYTES - 1]
-        s.mine[HEAD + HIST :] = 0
-        s.mine[HEAD + HIST :].view(np.uint8)[: len(raw)] = np.frombuffer(raw, np.uint8)
-        s.last_location = location
-    s.mine[OFFSET], s.mine[NBYTES] = offset, nbytes
-    t = time.monotonic_ns()
-    s.mine[START] = t
-    return t
+    return mark_begin(slot_for(location), offset, nbytes, time.monotonic_ns())
 
 
 def advance(offset: int) -> None:
@@ -122,11 +172,7 @@ def advance(offset: int) -> None:
 
 def end(start_ns: int) -> None:
     """The read begun at `start_ns` has returned (or raised)."""
-    s = _slots().mine
-    us = max((time.monotonic_ns() - start_ns) // 1000, 1)
-    s[START] = 0
-    s[READS] += 1
-    s[HEAD + min(int(math.log2(us) * 4), HIST - 1)] += 1
+    mark_end(_slots().mine, start_ns, time.monotonic_ns())
 
 
 def current() -> list[dict[str, Any]]:
@@ -159,3 +205,6 @@ def percentiles_ms() -> dict[str, Any]:
         return round(2 ** ((b + 1) / 4) / 1000, 3)
 
     return {"reads": n, "p50_ms": at(0.5), "p99_ms": at(0.99)}
+
+
+indexed.watch_mapped_reads(sys.modules[__name__])  # MMapBinReader.read_spans marks its copies here

@@ -1,12 +1,14 @@
 """A FUSE passthrough (tests/iobench/slowfs.py's) whose reads a test slows or blocks on command, for real:
 
-    python tests/train/hangfs.py SOURCE MOUNTPOINT CONTROL
+    python tests/train/hangfs.py SOURCE MOUNTPOINT CONTROL [--page-cache]
 
 While the file CONTROL/block exists, every read waits (a storage server that stopped answering; the reading process
 sits in the kernel, in no state any signal ends); removing it releases them. A file CONTROL/delay-once holding a
 number of seconds delays the next read by that much, once (the file is taken by that read). While CONTROL/block-writes
 exists, every write and fsync waits the same way (a checkpoint's storage that stopped). Mounted with direct_io,
-so that every read reaches this process and none is served from the page cache. Runs until unmounted.
+so that every read reaches this process and none is served from the page cache; with --page-cache, without it, as
+a memory map needs (direct_io forbids a shared map): a page fault then reaches this process only for a page that is
+not cached (the test drops them, posix_fadvise DONTNEED, before it blocks). Runs until unmounted.
 """
 
 from __future__ import annotations
@@ -55,4 +57,5 @@ class CommandedPassthrough(SlowPassthrough):
 
 if __name__ == "__main__":
     source, mountpoint, control = sys.argv[1:4]
-    FUSE(CommandedPassthrough(source, control), mountpoint, foreground=True, nothreads=False, direct_io=True)
+    direct_io = "--page-cache" not in sys.argv[4:]
+    FUSE(CommandedPassthrough(source, control), mountpoint, foreground=True, nothreads=False, direct_io=direct_io)

@@ -33,14 +33,27 @@ def corpus(tmp_path_factory) -> str:
     return trainkit.write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov_text_document")
 
 
+def drop_cached_pages(path: Path) -> None:
+    """Drop the cached pages of `path` on hangfs with --page-cache, those a process has mapped too: FUSE invalidates
+    a file's pages at each open (hangfs does not ask to keep them), and the advice drops what may come back meanwhile.
+    The next read of the file through a map then faults into hangfs."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def mounted_hangfs(source: Path, where: Path):
-    """(mountpoint, control): the directory `source` through hangfs.py, mounted under `where`."""
+def mounted_hangfs(source: Path, where: Path, page_cache: bool = False):
+    """(mountpoint, control): the directory `source` through hangfs.py, mounted under `where` (with the page cache,
+    as a memory map needs, when `page_cache`; else with direct_io)."""
     mnt, control = where / "fuse", where / "control"
     mnt.mkdir()
     control.mkdir()
-    proc = subprocess.Popen([sys.executable, str(HERE / "hangfs.py"), str(source), str(mnt), str(control)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    command = [sys.executable, str(HERE / "hangfs.py"), str(source), str(mnt), str(control)]
+    proc = subprocess.Popen(command + ["--page-cache"] * page_cache, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 20
         while not os.path.ismount(mnt):
@@ -79,10 +92,14 @@ def launch(corpus: str, out: Path, mnt: Path, logs: Path, restarts: int = 0, vie
                              options=options, wrapper=wrapper)  # fmt: skip
 
 
-def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None, what: str = "block") -> None:
+def block_until_reported(control: Path, out: Path, blocked: list[float] | None = None, what: str = "block",
+                         drop: Path | None = None) -> None:  # fmt: skip
     """Block the storage's reads (`what` "block-writes": its writes) until rank 0 has reported the hang (then a
-    second more), then release them; the time the block began goes into `blocked`."""
+    second more), then release them; the time the block began goes into `blocked`. `drop`: a file whose cached pages
+    are dropped once the reads are blocked (a memory-mapped read then faults into the storage)."""
     (control / what).write_text("")
+    if drop is not None:
+        drop_cached_pages(drop)
     if blocked is not None:
         blocked.append(time.monotonic())
     deadline = time.monotonic() + 60
@@ -170,6 +187,72 @@ def test_a_read_in_another_process_is_seen_with_its_file_offset_and_time(tmp_pat
     assert not (tmp_path / "slots").exists()
 
 
+def test_a_copy_out_of_a_memory_map_is_a_read_in_progress_with_its_file_and_offset(corpus, tmp_path):
+    """A copy out of a memory map whose page fault waits on a hung storage (hangfs with the page cache, its reads
+    blocked, the cached pages dropped) is seen in readwatch.current() while it waits, from another thread: GPTDataset's
+    compiled gather (get_batch) with the .bin and the byte offset of the document piece it waits in, and
+    MMapBinReader.read_spans with the offset of its second span (its first is mapped already). Released, each returns
+    the right tokens; after a copy returns or raises, no slot is left in a read."""
+    from corpusforge.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from corpusforge.indexed import IndexedDataset
+    from corpusforge.storage import StorageConfig, open_dataset, readwatch
+
+    readwatch.unshare()  # this process's own slot: an earlier test may have shared the slots
+    source = Path(corpus)
+    with mounted_hangfs(source.parent, tmp_path, page_cache=True) as (mnt, control):
+        bin_path = mnt / f"{source.name}.bin"
+        config = GPTDatasetConfig(seq_length=64, seed=1)
+
+        def samples(prefix: Path | str, read_mode: str) -> GPTDataset:
+            ds = open_dataset(str(prefix), StorageConfig(read_mode=read_mode))
+            return GPTDataset(ds, "train", (0, len(ds)), 64, config)
+
+        def waits_in(call, before=lambda: None) -> tuple[dict, object]:
+            """(the read current() shows while `call` waits in a thread on the blocked storage, its result); `before`
+            runs once the pages are dropped, before the reads block."""
+            result: list = []
+            drop_cached_pages(bin_path)
+            before()
+            (control / "block").write_text("")
+            thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 20
+            while not (reads := readwatch.current()) or reads[0]["seconds"] < 0.3:
+                assert time.monotonic() < deadline, "no read in progress"
+                time.sleep(0.02)
+            alive = thread.is_alive()
+            (control / "block").unlink()
+            thread.join(20)
+            assert alive and result and readwatch.current() == [], (alive, result, readwatch.current())
+            return reads[0], result[0]
+
+        reference, train = samples(corpus, "pread"), samples(mnt / source.name, "mmap-random")
+        train.load_kernels()  # the compiled gather, as the loader loads it before the first batch
+        ids = np.array([5, 17, 40])
+        read, batch = waits_in(lambda: train.get_batch(ids))
+        starts, _, _ = train._pieces(ids)
+        assert read["path"] == str(bin_path) and read["pid"] == os.getpid(), read
+        assert read["offset"] == starts[0] * 2 and read["nbytes"] == len(ids) * 65 * 2, (read, starts)
+        for key, value in reference.get_batch(ids).items():
+            np.testing.assert_array_equal(batch[key], value, err_msg=key)
+
+        reader, tokens = train.indexed.reader, IndexedDataset(corpus).tokens
+        spans = np.array([10, len(tokens) - 30]), np.array([10, 20])  # 12 pages apart
+        read, values = waits_in(
+            lambda: reader.read_spans(*spans), before=lambda: int(reader.read(10, 1)[0])
+        )  # maps page 0
+        assert read["path"] == str(bin_path) and read["offset"] == spans[0][1] * 2 and read["nbytes"] == 60, read
+        np.testing.assert_array_equal(values, np.concatenate([tokens[a : a + n] for a, n in zip(*spans)]))
+
+        done = readwatch.percentiles_ms()["reads"]
+        with pytest.raises(IndexError):
+            train.get_batch([len(train)])
+        with pytest.raises(ValueError):
+            reader.read_spans(np.array([len(tokens) - 2]), np.array([5]))  # past the end of the .bin
+        assert readwatch.current() == [] and readwatch.percentiles_ms()["reads"] == done + 1
+        reader.close()
+
+
 @pytest.mark.slow
 def test_a_slow_read_warns_once_and_changes_no_loss(corpus, hangfs, tmp_path, undisturbed):
     """One read of rank 1 takes 2 s (stall_s 1, hang_s 4): rank 1 prints one warning naming the file, the offset,
@@ -218,19 +301,26 @@ def test_a_hang_released_before_hang_s_lets_training_go_on(corpus, hangfs, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 1], ids=["read in the rank", "read in a loader worker"])
-def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(corpus, hangfs, tmp_path, workers):
-    """Rank 1's reads block for good at step 4. Within hang_s and a few seconds: rank 0 prints one line naming rank 1
-    and the .bin, each rank writes its stacks (rank 1's with the reader's frame, in the rank or in its worker's read
-    state), every rank exits with HANG_EXIT_CODE, no rank prints a collective's timeout or a traceback. The storage is
-    released only after the ranks have given up (a process whose own thread is in the read finishes exiting then)."""
-    mnt, control = hangfs
+@pytest.mark.parametrize(
+    "read_mode, workers",
+    [("pread", 0), ("pread", 1), ("mmap-random", 1)],
+    ids=["read in the rank", "read in a loader worker", "page fault of a memory map in a loader worker"],
+)
+def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(corpus, tmp_path, read_mode, workers):
+    """Rank 1's reads block for good at step 4. Within hang_s and a few seconds: rank 0 prints one line naming rank 1,
+    the .bin and an offset in it, each rank writes its stacks (rank 1's with the reader's frame, in the rank or in its
+    worker's read state), every rank exits with HANG_EXIT_CODE, no rank prints a collective's timeout or a traceback.
+    The storage is released only after the ranks have given up (a process whose own thread is in the read finishes
+    exiting then). Through a memory map, the read is a page fault inside the compiled gather: hangfs keeps the page
+    cache (a map needs it), whose pages, rank 1's mapped ones too, are dropped as the reads block."""
     out = tmp_path / "run"
     blocked: list[float] = []
-
-    at_step(out, 3, lambda: block_until_reported(control, out, blocked))
-    done = launch(corpus, out, mnt, tmp_path / "logs", **{"data.num_workers": workers})
-    ended = time.monotonic()
+    with mounted_hangfs(Path(corpus).parent, tmp_path, page_cache=read_mode != "pread") as (mnt, control):
+        drop = mnt / f"{Path(corpus).name}.bin" if read_mode != "pread" else None
+        at_step(out, 3, lambda: block_until_reported(control, out, blocked, drop=drop))
+        extra = {"data.num_workers": workers, "storage.read_mode": f'"{read_mode}"'}
+        done = launch(corpus, out, mnt, tmp_path / "logs", **extra)
+        ended = time.monotonic()
     ranks = trainkit.rank_logs(tmp_path / "logs")
     codes = re.findall(r"rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", done.stderr)
     assert done.returncode != 0 and blocked, (done.stderr[-3000:], ranks)
@@ -241,6 +331,8 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
     line = lines[0]
     assert line.startswith("corpusforge: error: storage hung at step "), line
     assert "rank 1 on " in line and f"in a read of {corpus}.bin at offset " in line, line
+    offset = int(re.search(r" at offset (\d+) ", line).group(1))
+    assert 0 <= offset < Path(f"{corpus}.bin").stat().st_size, line
     assert f"exits with {HANG_EXIT_CODE}" in line and "resumes from its last checkpoint" in line, line
     assert "rank 0 on" not in line, line
     step = int(re.search(r"at step (\d+)", line).group(1))
@@ -251,12 +343,14 @@ def test_a_hung_read_names_its_rank_and_file_and_every_rank_exits_for_a_restart(
     assert "in a read: pid " in stuck and f"{corpus}.bin" in stuck, stuck
     assert "Thread 0x" in stuck and "Thread 0x" in waiting, (stuck, waiting)  # faulthandler's dump of each thread
     # the frame of the read that hangs: in the rank's own dump, or in its loader worker's, which the dump holds
-    assert re.search(r'File ".*corpusforge/storage/readers.py", line \d+ in _read_into', stuck), stuck
+    frame = r"storage/readers.py\", line \d+ in _read_into" if read_mode == "pread" else r"data/gpt_dataset.py\", line"
+    assert re.search(r'File ".*corpusforge/' + frame, stuck), stuck
     if workers:
         assert re.search(r"loader worker pid \d+:\n", stuck), stuck
     assert "all_reduce" in waiting or "distributed_c10d.py" in waiting, waiting  # rank 0 waits in the collective
     record = json.loads((out / "hang-rank1.json").read_text())
     assert record["rank"] == 1 and record["path"] == f"{corpus}.bin" and record["seconds"] >= HANG_S, record
+    assert record["offset"] == offset, (record, line)
     assert not (out / "hang-rank0.json").exists()
     no_collective_noise(list(ranks.values()))
 
