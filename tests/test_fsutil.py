@@ -113,6 +113,23 @@ WRITERS = {
 }
 
 
+def _at(writer):
+    """A writer by name in an open directory (write_at_atomic, write_new_at), called with a path."""
+
+    def write(path, data: bytes) -> None:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            writer(fd, path.name, data, where=path.parent)
+        finally:
+            os.close(fd)
+
+    return write
+
+
+WRITERS["write_at_atomic"] = _at(fsutil.write_at_atomic)
+WRITERS["write_new_at"] = _at(fsutil.write_new_at)
+
+
 def _write_through(helper: str, path, data: bytes) -> None:
     if helper == "atomic_write":
         with fsutil.atomic_write(path) as f:
@@ -166,3 +183,68 @@ def test_naming_keeps_the_name_of_an_existing_file_and_errors_that_are_not_the_p
         with fsutil.naming(tmp_path / "out.bin", existing):  # an existing file written for out.bin
             raise OSError(errno.ENOSPC, "No space left on device", str(existing))
     assert err.value.filename == str(tmp_path / "out.bin") and err.value.__cause__ is not None
+
+
+def _stage_files(stage) -> None:
+    fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert fsutil.write_new_at(fd, "a.npy", b"head", memoryview(np.arange(4, dtype=np.int32))) == 20
+        fsutil.write_new_at(fd, "a-description.txt", b"{}")
+        with pytest.raises(FileExistsError):  # never over an existing file
+            fsutil.write_new_at(fd, "a.npy", b"other")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("target_state", ["absent", "empty"])
+def test_staging_dir_publishes_every_file_at_once(tmp_path, target_state):
+    target = tmp_path / "cache"
+    if target_state == "empty":
+        target.mkdir()
+        os.chmod(target, 0o2750)  # its permission bits (setgid too) are the published directory's
+    stage = fsutil.staging_dir(target)
+    assert stage is not None and stage.parent == tmp_path and stage.name.startswith(".cache.")
+    _stage_files(stage)
+    assert not (target / "a.npy").exists()  # nothing under the final name before the publish
+    assert fsutil.publish_dir(stage, target)
+    assert sorted(os.listdir(target)) == ["a-description.txt", "a.npy"] and not stage.exists()
+    assert (target / "a.npy").read_bytes()[:4] == b"head"
+    if target_state == "empty":
+        assert os.stat(target).st_mode & 0o7777 == 0o2750
+
+
+def test_staging_dir_is_not_used_where_the_directory_holds_anything_or_is_a_link(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / ".hidden").write_text("x")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "file").write_text("x")
+    for target in (full, tmp_path / "link", tmp_path / "file"):
+        assert fsutil.staging_dir(target) is None, target
+    assert sorted(os.listdir(tmp_path)) == ["file", "full", "link", "real"]  # no stage made
+
+
+def test_publish_refuses_a_directory_filled_meanwhile_and_keeps_both(tmp_path):
+    target = tmp_path / "cache"
+    stage = fsutil.staging_dir(target)
+    _stage_files(stage)
+    target.mkdir()
+    (target / "theirs.npy").write_bytes(b"theirs")  # another writer, between the stage and the publish
+    assert not fsutil.publish_dir(stage, target)
+    assert os.listdir(target) == ["theirs.npy"] and sorted(os.listdir(stage)) == ["a-description.txt", "a.npy"]
+
+
+def test_stages_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    stale = tmp_path / f".cache.{host}-{int(dead.stdout)}.0badf00d.stage"
+    live = tmp_path / f".cache.{host}-{os.getpid()}.0badf00d.stage"
+    other = tmp_path / f".cachex.{host}-{int(dead.stdout)}.0badf00d.stage"  # another directory's
+    for stage in (stale, live, other):
+        stage.mkdir()
+        (stage / "a.npy").write_bytes(b"partial")
+    stage = fsutil.staging_dir(tmp_path / "cache")
+    assert not stale.exists() and live.exists() and other.exists() and stage.exists()

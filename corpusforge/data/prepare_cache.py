@@ -24,7 +24,10 @@ is refused in one line. megatron-core ignores that folder.
 The arrays are corpusforge's own (gpt_dataset.py, blended.py: the same values as megatron-core's, tested against
 it); the sample counts per split follow Megatron-LM (training.py: get_train_valid_test_num_samples, update_train_iters).
 
-Atomic and resumable: every file is written under a temporary name and renamed; the arrays first, then (after one
+Atomic and resumable. A first run (the cache directory absent or empty) writes every file under its final name in a
+staging directory beside it, makes them durable with one syncfs, and renames the staging directory onto the cache
+directory: every file appears at once or none does (a killed run leaves only the staging directory, which the next
+run removes). Otherwise every file is written under a temporary name and renamed; the arrays first, then (after one
 syncfs of the file system, or an fsync of each file where syncfs is missing) the descriptions; megatron-core needs
 every file of an entry, so a killed run leaves entries it rebuilds. A rerun writes only the files that are missing.
 
@@ -46,6 +49,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,9 +65,12 @@ from corpusforge.fsutil import (
     fsync_dir,
     fsync_path,
     network_fs,
+    publish_dir,
     remove_leftovers,
+    staging_dir,
     write_at_atomic,
     write_json_atomic,
+    write_new_at,
 )
 
 if TYPE_CHECKING:
@@ -441,20 +448,31 @@ _ARRAY_NAMES = {
 
 
 class _Writer:
-    """Writes the missing files of the entries it is given (`add`), arrays first, by writer threads while the caller
-    builds the next entries; on leaving the block (durable) a syncfs, then the descriptions, then a syncfs again.
-    An entry built for other data than today's is refused before its files are written.
+    """Writes the missing files of the entries it is given (`add`) by writer threads while the caller builds the
+    next entries. An entry built for other data than today's is refused before its files are written.
 
-    Each file is written whole or not at all (fsutil.write_at_atomic: a temporary name in the directory, renamed),
-    by name relative to one open directory; one task per entry (an executor's task costs ~30 us of Python)."""
+    A cache directory that does not exist yet or is empty (a first run) is filled aside, in a staging directory
+    beside it (fsutil.staging_dir), every file under its final name as soon as its entry is built, descriptions too;
+    on leaving the block one syncfs (durable) and one rename publish them all at once (fsutil.publish_dir). Where
+    another writer put files in the directory meanwhile, they are moved in one by one, arrays first. Otherwise (a
+    rerun, files of other runs beside) each file is written whole or not at all in the directory itself
+    (fsutil.write_at_atomic: a temporary name, renamed), arrays first; on leaving the block (durable) a syncfs, then
+    the descriptions, then a syncfs again: megatron-core takes an entry whose files all exist as complete.
+
+    Files are written by name relative to one open directory; one task per entry (an executor's task costs ~30 us
+    of Python)."""
 
     def __init__(self, directory: Path, stats: CacheStats, durable: bool, progress: Callable | None) -> None:
         self.directory, self.stats, self.durable, self.progress = directory, stats, durable, progress
-        directory.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(directory)  # the temporaries of a killed run
-        self.names = set(os.listdir(directory))  # one listing, not 10,000 stats
-        self.recorded = _read_records(directory / ".corpusforge")
-        self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        self.stage = staging_dir(directory)
+        if self.stage is None:
+            directory.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(directory)  # the temporaries of a killed run
+            self.names = set(os.listdir(directory))  # one listing, not 10,000 stats
+            self.recorded = _read_records(directory / ".corpusforge")
+        else:
+            self.names, self.recorded = set(), {}
+        self.dir_fd = os.open(self.stage or directory, os.O_RDONLY | os.O_DIRECTORY)
         self.threads = _NETWORK_WRITERS if network_fs(directory) else _WRITERS
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="prepare-cache")
         self.pending: list[Any] = []
@@ -475,24 +493,31 @@ class _Writer:
         missing = [n for n in wanted if n not in self.names]
         self.stats.entries += 1
         self.stats.found_files += len(wanted) - len(missing) + (desc in self.names and not missing)
+        jobs: list[tuple[str, np.ndarray | str]] = []
         if missing:
             arrays = entry.arrays()
             jobs = [(name, arrays[name[len(entry.base) + 1 : -4]]) for name in missing]
             self.arrays += missing
-            self.pending.append(self.pool.submit(self._write_all, jobs))
         if desc not in self.names or missing:
-            self.descriptions.append((desc, entry.description))
+            if self.stage is not None:  # published with the arrays, all at once: no order among them
+                jobs.append((desc, entry.description))
+                self.arrays.append(desc)
+            else:
+                self.descriptions.append((desc, entry.description))
+        if jobs:
+            self.pending.append(self.pool.submit(self._write_all, jobs))
 
     def _write_all(self, jobs: list[tuple[str, np.ndarray | str]]) -> int:
         return sum(self._write(name, content) for name, content in jobs)
 
     def _write(self, name: str, content: np.ndarray | str) -> int:
-        if isinstance(content, str):
-            if name in self.names:  # its arrays were rewritten: it stops counting as complete before they are
-                os.unlink(name, dir_fd=self.dir_fd)
-            size = write_at_atomic(self.dir_fd, name, content.encode(), where=self.directory)
+        buffers = (content.encode(),) if isinstance(content, str) else _npy_buffers(content)
+        if self.stage is not None:
+            size = write_new_at(self.dir_fd, name, *buffers, where=self.directory)
         else:
-            size = write_at_atomic(self.dir_fd, name, *_npy_buffers(content), where=self.directory)
+            if isinstance(content, str) and name in self.names:  # its arrays were rewritten: it stops counting as
+                os.unlink(name, dir_fd=self.dir_fd)  # complete before they are
+            size = write_at_atomic(self.dir_fd, name, *buffers, where=self.directory)
         self.done += 1  # for the progress line only (threads: a count may be lost)
         if self.progress is not None:
             self.progress("writing", self.done, len(self.arrays) + len(self.descriptions))
@@ -502,15 +527,25 @@ class _Writer:
         return self
 
     def __exit__(self, kind, *_) -> None:
+        published = False
         try:
             if kind is not None:
                 return
             written = sum(f.result() for f in self.pending)
             if self.fresh:  # one record file per run, not one per entry: thousands of files cost more than bytes
-                records = self.directory / ".corpusforge"
+                records = (self.stage or self.directory) / ".corpusforge"
                 records.mkdir(exist_ok=True)
                 name = f"{_md5(json.dumps(sorted(self.fresh)))}.json"
                 write_json_atomic(records / name, self.fresh, indent=None, sort_keys=True, durable=False)
+            if self.stage is not None:
+                if self.durable:
+                    _sync(self.stage, self.arrays)
+                published = publish_dir(self.stage, self.directory, durable=self.durable)
+                if not published:
+                    _move_in(self.stage, self.directory, self.durable)
+                self.stats.written_files = len(self.arrays)
+                self.stats.written_bytes = written
+                return
             if self.durable and self.arrays:
                 _sync(self.directory, self.arrays)
             # Last: megatron-core takes an entry whose files all exist as complete, so its description goes last.
@@ -524,6 +559,8 @@ class _Writer:
         finally:
             self.pool.shutdown(wait=True, cancel_futures=kind is not None)
             os.close(self.dir_fd)
+            if self.stage is not None and not published:  # failed, or moved in one by one: nothing of it is kept
+                shutil.rmtree(self.stage, ignore_errors=True)
 
 
 # Threads that write the cache files. On a local disk creating a small file is CPU in the kernel (~30-250 us here,
@@ -533,6 +570,24 @@ class _Writer:
 # server round trip: there, threads overlap the waits.
 _WRITERS = 1
 _NETWORK_WRITERS = 16
+
+
+def _move_in(stage: Path, directory: Path, durable: bool) -> None:
+    """The files of `stage` renamed into `directory` one by one (another writer put files there since the stage
+    was made): the arrays, then (durable: after an fsync of the directory) the descriptions, which complete the
+    entries for megatron-core; then the record file. Each appears whole: it was complete and synced in the stage."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [n for n in os.listdir(stage) if n != ".corpusforge"]
+    arrays = [n for n in names if not n.endswith("-description.txt")]
+    for group in (arrays, [n for n in names if n.endswith("-description.txt")]):
+        for name in group:
+            os.replace(stage / name, directory / name)
+        if durable:
+            fsync_dir(directory)
+    if (stage / ".corpusforge").is_dir():
+        (directory / ".corpusforge").mkdir(exist_ok=True)
+        for record in os.listdir(stage / ".corpusforge"):
+            os.replace(stage / ".corpusforge" / record, directory / ".corpusforge" / record)
 
 
 def _read_records(directory: Path) -> dict[str, Any]:

@@ -215,8 +215,13 @@ pc.prepare_megatron_cache(pc.MegatronCacheConfig(tuple(prefixes), sys.argv[1], 3
 """
 
 
-@pytest.mark.parametrize("after", [0, 5, 13, 24])  # 22 arrays, then the descriptions
-def test_megatron_killed_run_then_rerun_equals_an_uninterrupted_one(tmp_path, sets, after):
+@pytest.mark.parametrize(
+    "target, after",
+    [("shared", 0), ("shared", 5), ("shared", 13), ("shared", 24), ("fresh", 5), ("fresh", 29)],
+)  # 22 arrays, then the descriptions (shared); 30 files, then one rename (fresh)
+def test_megatron_killed_run_then_rerun_equals_an_uninterrupted_one(tmp_path, sets, target, after):
+    """Killed by SIGKILL after `after` files: into a directory holding other files (each file renamed into it, the
+    descriptions last), or into a fresh one (filled aside, published by one rename: nothing under its name)."""
     import subprocess
     import sys
 
@@ -225,16 +230,65 @@ def test_megatron_killed_run_then_rerun_equals_an_uninterrupted_one(tmp_path, se
                                  test_samples=0, vocab_size=VOCAB)  # fmt: skip
     prepare_megatron_cache(config)
     killed = tmp_path / "killed"
+    if target == "shared":
+        killed.mkdir()
+        (killed / "other-run.npy").write_bytes(b"another run's file")
     proc = subprocess.run([sys.executable, "-c", KILLED_RUN, str(killed), str(after), *sets], capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
-    left = {n for n in os.listdir(killed) if not n.startswith(".")}
-    if after < 22:  # killed among the arrays: no entry looks complete to megatron-core
-        assert left and not any(n.endswith("-description.txt") for n in left) or after == 0
+    stages = [p for p in tmp_path.iterdir() if p.name.startswith(".killed.")]
+    if target == "fresh":  # nothing under the final name; the stage is left, and removed by the rerun
+        assert not killed.exists() and len(stages) == 1 and len(os.listdir(stages[0])) == after
+    else:
+        assert stages == []
+        left = {n for n in os.listdir(killed) if not n.startswith(".")} - {"other-run.npy"}
+        if after < 22:  # killed among the arrays: no entry looks complete to megatron-core
+            assert left and not any(n.endswith("-description.txt") for n in left) or after == 0
     prepare_megatron_cache(dataclasses_replace(config, data_cache_path=str(killed)))
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".killed.")] == []
     names = sorted(n for n in os.listdir(whole) if not n.startswith("."))
-    assert sorted(n for n in os.listdir(killed) if not n.startswith(".")) == names
+    extra = ["other-run.npy"] if target == "shared" else []
+    assert sorted(n for n in os.listdir(killed) if not n.startswith(".")) == sorted(names + extra)
     for name in names:
         assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def test_megatron_cache_filled_by_another_writer_meanwhile_is_completed_file_by_file(tmp_path, sets):
+    """A cache directory empty at the start, into which another writer puts a file while prepare-cache stages its
+    own: the staged files are moved in one by one (nothing of the other writer's is replaced or lost), and the
+    result is the uninterrupted run's files; no stage is left."""
+    config = MegatronCacheConfig(tuple(sets), str(tmp_path / "whole"), 32, split="80,20", train_samples=300,
+                                 valid_samples=20, test_samples=0, vocab_size=VOCAB)  # fmt: skip
+    prepare_megatron_cache(config)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def another_writer(stage: str, done: int, total: int) -> None:
+        if done == 3:
+            (cache / "theirs.npy").write_bytes(b"another writer's file")
+
+    stats = prepare_megatron_cache(dataclasses_replace(config, data_cache_path=str(cache)), progress=another_writer)
+    names = sorted(n for n in os.listdir(tmp_path / "whole") if not n.startswith("."))
+    assert sorted(n for n in os.listdir(cache) if not n.startswith(".")) == sorted([*names, "theirs.npy"])
+    assert (cache / "theirs.npy").read_bytes() == b"another writer's file" and stats.written_files == len(names)
+    for name in names:
+        assert (cache / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    assert os.listdir(cache / ".corpusforge") == os.listdir(tmp_path / "whole" / ".corpusforge")
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".cache.")] == []
+
+
+def test_megatron_failed_first_run_leaves_nothing(tmp_path, sets):
+    """An error while the files are written (here: from the progress callback) leaves no cache directory and no
+    stage: every file appears under its final name whole, or not at all."""
+    config = MegatronCacheConfig(tuple(sets), str(tmp_path / "cache"), 32, split="80,20", train_samples=300,
+                                 valid_samples=20, test_samples=0, vocab_size=VOCAB)  # fmt: skip
+
+    def failing(stage: str, done: int, total: int) -> None:
+        if done == 4:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        prepare_megatron_cache(config, progress=failing)
+    assert os.listdir(tmp_path) == []
 
 
 def dataclasses_replace(config, **changes):
