@@ -353,3 +353,36 @@ def test_sample_index_in_c_equals_its_numba_and_numpy_twins():
         gpt_dataset._sample_index.fill(
             lengths, np.array([0, len(lengths)], np.int32), 4, 2, 1, np.empty((3, 2), np.int32)
         )
+
+
+def test_index_build_from_a_key_stream_equals_the_randomstate_one(monkeypatch):
+    """gpt_dataset.KeyStream (the compiled shuffle drawing from a seeded MT19937 key) gives numpy's RandomState
+    permutations, one after another from the same stream, for arrays of every size and item type; and whole index
+    builds (several epochs, a separate last epoch or not, without the extra token) are the same bytes as those drawn
+    through a RandomState (the path where the compiled shuffle is not built), which test_parity.py checks against
+    megatron-core."""
+    from corpusforge.data import gpt_dataset
+
+    if not gpt_dataset.KeyStream.usable(1):
+        pytest.skip("corpusforge._mt19937 is not built (pip install -e . builds it)")
+    for seed in (0, 1234, 2**32 - 1):
+        ours, numpy_rng = gpt_dataset.KeyStream(seed), np.random.RandomState(seed)
+        for n, dtype in ((1, np.int32), (2, np.uint32), (700, np.int32), (9000, np.int64), (70_000, np.uint32)):
+            a = np.arange(n, dtype=dtype)
+            b = a.copy()
+            ours.shuffle(a)
+            numpy_rng.shuffle(b)
+            assert a.tobytes() == b.tobytes(), (seed, n)
+    rng = np.random.default_rng(8)
+    builds = []
+    for case in range(30):
+        lengths = rng.integers(1, 3000, size=int(rng.integers(1, 300))).astype(np.int32)
+        seq = int(rng.choice([64, 2048, 777]))
+        samples = int(rng.integers(1, 4 * max(1, int(lengths.sum()) // seq) + 2))
+        args = (lengths, range(0, len(lengths)), samples, seq, int(rng.integers(0, 2**31)), case % 2)
+        builds.append((args, gpt_dataset.build_indices(*args)))
+    monkeypatch.setattr(gpt_dataset, "_mt19937", None)
+    for args, keyed in builds:
+        drawn = gpt_dataset.build_indices(*args)
+        for name in keyed:
+            assert keyed[name].tobytes() == drawn[name].tobytes() and keyed[name].dtype == drawn[name].dtype, name
