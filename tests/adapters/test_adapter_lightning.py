@@ -1,12 +1,29 @@
 """corpusforge's loaders in the real Lightning Trainer (corpusforge.adapters.lightning): training_step receives
 corpusforge's own loader's batches, and a run killed with SIGKILL after a checkpoint (its DataLoader workers
-already fetching ahead) resumes from Lightning's checkpoint with exactly the uninterrupted run's next batch."""
+already fetching ahead) resumes from Lightning's checkpoint with exactly the uninterrupted run's next batch. Under
+torchrun, 2 ranks of Lightning's DDP strategy on gloo train exactly corpusforge's 2-rank loader's batches, and ranks
+SIGKILLed after a checkpoint resume with the next global batch and the uninterrupted run's losses; a checkpoint
+resumed at another number of ranks continues the global order (corpusforge's elastic resume)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from adapter_harness import KILL_AFTER, MBS, STEPS, assert_resumed_exactly, killed_and_resumed, make_corpora
+from adapter_harness import (
+    KILL_AFTER,
+    MBS,
+    STEPS,
+    assert_resumed_exactly,
+    finish_job,
+    kill_ranks_at_markers,
+    killed_and_resumed,
+    make_corpora,
+    recorded,
+    start_job,
+    torchrun_job,
+)
 
 from corpusforge.data import LoaderStateError, make_loader
 from corpusforge.errors import ArgumentError
@@ -76,3 +93,97 @@ def test_a_module_overriding_the_counting_hook_is_refused(tmp_path, corpora):
                          enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
     with pytest.raises(ArgumentError, match="on_before_batch_transfer"):
         trainer.fit(Overrides(), datamodule=job.data_module(corpora, str(tmp_path)))
+
+
+# 2 ranks under torchrun: one launch of 2 ranks is SIGKILLed after its checkpoint at KILL_AFTER; a second runs, in
+# turn, the uninterrupted 2-rank run and the killed run resumed by 2 ranks (once the first launch is killed). The
+# 2-rank checkpoint is resumed by 1 rank here. (Each launch costs ~7 s of CPU a rank to import Lightning: the resume
+# at another number of ranks is tested 2 -> 1 only, in this process.)
+
+
+def rank_records(out, kind: str = "step") -> list[dict]:
+    return [recorded(out / f"rank-{r}", kind) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(corpora, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning_two_ranks")
+    base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
+    job.data_module(corpora, str(root / "cache")).setup("fit")  # the index caches, built once before the ranks
+    killed, resume_now = root / "killed", root / "killed-and-cleared"
+    step_4 = f"ckpt/epoch=0-step={KILL_AFTER}.ckpt"
+    (root / "turns.json").write_text(json.dumps([
+        [*base, "--out", str(root / "uninterrupted")],
+        [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+    ]))  # fmt: skip
+    logs = root / "killed.log", root / "turns.log"
+    to_kill = start_job(torchrun_job("lightning_job.py", 2, *base, "--out", str(killed), "--block-after",
+                                     str(KILL_AFTER)), logs[0])  # fmt: skip
+    turns = start_job(torchrun_job("lightning_job.py", 2, "--runs", str(root / "turns.json")), logs[1])
+    try:
+        kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
+        before = rank_records(killed)
+        for path in killed.glob("rank-*/*.npy"):
+            path.unlink()
+        resume_now.touch()
+        finish_job(turns, logs[1], timeout=300)
+    finally:
+        for proc in (to_kill, turns):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    job.main([*base, "--out", str(root / "two_at_one"), "--resume-from", str(killed / step_4)])
+    return root, before
+
+
+def own_batches(corpora, root, rank: int, world: int, consumed: int = 0, steps: int = STEPS) -> list:
+    """corpusforge's own loader's tokens for `rank` of `world` after `consumed` samples."""
+    data = job.data_module(corpora, str(root / "cache"))
+    data.setup("fit")
+    loader = make_loader(data.datasets[0], MBS, rank, world, consumed_samples=consumed)
+    return [b["tokens"].numpy() for _, b in zip(range(steps), loader)]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_loaders_batches(runs, corpora):
+    """Each DDP rank's training_step receives corpusforge's 2-rank loader's batches for that rank: the ranks
+    together train the global order once, none twice, none skipped."""
+    root, _ = runs
+    steps = rank_records(root / "uninterrupted")
+    for rank in range(2):
+        assert sorted(steps[rank]) == list(range(1, STEPS + 1))
+        own = own_batches(corpora, root, rank, 2)
+        np.testing.assert_array_equal(np.stack([steps[rank][s] for s in sorted(steps[rank])]), np.stack(own))
+    everything = own_batches(corpora, root, 0, 1, steps=STEPS * 2)  # the global order, one rank's micro-batches
+    both = np.concatenate([np.concatenate([steps[0][s], steps[1][s]]) for s in range(1, STEPS + 1)])
+    np.testing.assert_array_equal(both, np.concatenate(everything))
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_resume_with_the_next_global_batch(runs):
+    """Both ranks SIGKILLed after the checkpoint at KILL_AFTER (the next batch already fetched); resumed with
+    ckpt_path, each trains exactly the uninterrupted run's next batches with its losses, bit for bit. The checkpoint
+    (written by rank 0) counts the samples both ranks trained."""
+    import torch
+
+    root, before = runs
+    uninterrupted, after = rank_records(root / "uninterrupted"), rank_records(root / "killed")
+    losses, resumed_losses = rank_records(root / "uninterrupted", "loss"), rank_records(root / "killed", "loss")
+    for rank in range(2):
+        assert_resumed_exactly(uninterrupted[rank], before[rank], after[rank], KILL_AFTER)
+        assert sorted(resumed_losses[rank]) == list(range(KILL_AFTER + 1, STEPS + 1))
+        for step, loss in resumed_losses[rank].items():
+            assert loss == losses[rank][step], f"rank {rank} step {step}: loss {loss} != {losses[rank][step]}"
+    saved = torch.load(root / "killed" / "ckpt" / f"epoch=0-step={KILL_AFTER}.ckpt", weights_only=True)
+    assert saved["CorpusforgeDataModule"]["consumed_samples"] == KILL_AFTER * MBS * 2
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_number_of_ranks_continues_the_global_order(runs, corpora):
+    """The 2-rank run's checkpoint resumed by 1 rank trains the global order on from the samples both ranks
+    consumed (not from its own count of steps)."""
+    root, _ = runs
+    two_at_one = recorded(root / "two_at_one")
+    assert sorted(two_at_one) == list(range(KILL_AFTER + 1, STEPS + 1))
+    own = own_batches(corpora, root, 0, 1, KILL_AFTER * MBS * 2, STEPS - KILL_AFTER)
+    np.testing.assert_array_equal(np.stack([two_at_one[s] for s in sorted(two_at_one)]), np.stack(own))
