@@ -378,12 +378,21 @@ def prepare_megatron_cache(
     template = _gpt_template(common)
     gpt_config = GPTDatasetConfig(seq_length=config.seq_length, seed=config.seed, split=config.split,
                                   mid_level_dataset_surplus=config.mid_level_dataset_surplus)  # fmt: skip
-    indexed = open_datasets(prefixes)  # every missing file is reported before any work
-    stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)))
-    writer = _Writer(Path(config.data_cache_path), stats, config.durable, progress)
-    # One thread builds the blends' indices (a compiled kernel that releases the GIL) while this one builds the
-    # datasets: they depend on the weights and the sizes only.
+    # One thread builds the blends' indices (a compiled kernel that releases the GIL) while this one opens and builds
+    # the datasets: they depend on the weights and the sizes only, and are the longest single piece of work (~0.7 s
+    # of CPU for 2M samples of 2,500 datasets), so they start first.
     blender = ThreadPoolExecutor(1, thread_name_prefix="prepare-cache-blend")
+    blending: dict[int, Any] = {}
+    try:
+        if weights is not None:
+            weights = normalize(weights)
+            blending = _start_blending(config.split, weights, sizes, blender)
+        indexed = open_datasets(prefixes)  # every missing file is reported before any file is written
+        stats = CacheStats(config.data_cache_path, "megatron-core", dict(zip(SPLIT_NAMES, sizes)))
+        writer = _Writer(Path(config.data_cache_path), stats, config.durable, progress)
+    except BaseException:
+        blender.shutdown(wait=False, cancel_futures=True)
+        raise
     with writer, blender:
 
         def gpt(d: int, split: int, bounds: tuple[int, int], num_samples: int | None) -> tuple[GPTDataset, str]:
@@ -400,11 +409,8 @@ def prepare_megatron_cache(
                 if bounds is not None:
                     gpt(0, s, bounds, sizes[s])
         else:
-            blending: dict[int, Any] = {}
             if weights is not None:
-                weights = normalize(weights)
                 buffer = [samples_per_dataset(weights, n, config.mid_level_dataset_surplus) for n in sizes]
-                blending = _start_blending(config.split, weights, sizes, blender)
             parts: list[list[tuple[GPTDataset, str]]] = [[], [], []]
             for d, ds in enumerate(indexed):
                 for s, bounds in enumerate(split_ranges(config.split, len(ds))):
