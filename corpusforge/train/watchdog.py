@@ -2,10 +2,11 @@
 dumps every thread's Python stack, the job says in one line which rank is stuck in which read, and every rank exits
 with HANG_EXIT_CODE, so that `srun --requeue` or torchrun's restarts resume from the last checkpoint.
 
-Why a thread and files: a rank stuck in a read of a hung mount sits in a system call (FUSE, Lustre, CephFS) that no
-signal ends, and the other ranks sit in the next collective waiting for it, where gloo and NCCL would, after their
-own timeout (30 min), each blame a peer. So each rank's watchdog thread (the stuck main thread holds no GIL) looks
-at where its own process and loader workers are (corpusforge.storage.readwatch: file, offset, since when), and:
+Why a thread and files: a rank stuck in a read of a hung mount sits in a system call (FUSE, Lustre, CephFS), or in a
+page fault of a memory map inside a compiled copy, that no signal ends, and the other ranks sit in the next collective
+waiting for it, where gloo and NCCL would, after their own timeout (30 min), each blame a peer. So each rank's
+watchdog thread (the stuck main thread holds no GIL) looks at where its own process and loader workers are
+(corpusforge.storage.readwatch: file, offset, since when; the copies out of a map mark theirs too), and:
 
 - a rank in a data read (or waiting for a batch) for hang_s is *stuck*: it writes out_dir/hang-rank<R>.json
   (file, offset, bytes, seconds; the out_dir is on the file system every rank shares, as its checkpoints are);
@@ -145,7 +146,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def waiting_for_data(self):
-        """This rank waits for a batch (a memory-mapped read, a loader worker): as a read, for the clocks."""
+        """This rank waits for a batch (its own reads, a loader worker's): as a read, for the clocks, so that a wait
+        with no marked read in progress (a read outside the seam) still ends in hang_s."""
         self.waiting_since = _now()
         try:
             yield
@@ -216,11 +218,12 @@ class Watchdog:
                 )
         since = self.waiting_since
         if not reads and since is not None and _now() - since >= self.stall_s and (0, id(since)) not in self.warned:
-            self.warned.add((0, id(since)))  # a memory-mapped read (page faults are not timed one by one)
+            # no read of the seam in progress (its reads, memory-mapped copies too, are marked): the wait is elsewhere,
+            # a loader worker's CPU, or a dataset that reads tokens outside the seam (a consumer of a map's views)
+            self.warned.add((0, id(since)))
             self.warn(
                 f"corpusforge: warning: rank {self.rank}: has waited {_now() - since:.1f} s for a batch of "
-                f"{self.what or 'its data'} (stall_s {self.stall_s:g}); no timed read is in progress (memory-mapped "
-                f"reads are page faults)"
+                f"{self.what or 'its data'} (stall_s {self.stall_s:g}); no timed read is in progress"
             )
         if len(self.warned) > 4096:
             self.warned = {k for k in self.warned if any((r["pid"], r["start_ns"]) == k for r in reads)}
