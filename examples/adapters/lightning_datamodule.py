@@ -2,12 +2,18 @@
 
     python examples/adapters/lightning_datamodule.py [PREFIX]            # default: out/tiny_text_document
     python examples/adapters/lightning_datamodule.py [PREFIX] --resume   # after a kill: continues with the next batch
+    torchrun --nproc-per-node 2 examples/adapters/lightning_datamodule.py [PREFIX] [--resume]   # 2 DDP ranks
+                                                                    # (after a first run has tokenized the corpus)
+
+Each rank trains its slice of every global batch, as corpusforge's own loader gives it; the checkpoint holds the
+samples all ranks consumed, so it resumes at any number of ranks, continuing the same global order.
 
 (Not named lightning.py: a script of that name, run directly, would be imported as the `lightning` package.)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,9 +53,12 @@ class TinyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+ranks = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; Lightning's DDP strategy joins its process group
+# enough samples for 2 ranks; the same dataset at any number of ranks, so that a checkpoint resumes at another one
 data = CorpusforgeDataModule(prefix, seq_length=64, micro_batch_size=micro_batch, split="99,1,0",
-                             num_samples=(steps * micro_batch, 8, 0), cache_dir="out/cache", num_workers=2,
+                             num_samples=(steps * micro_batch * 2, 8, 0), cache_dir="out/cache", num_workers=2,
                              eod_token_id=tokenizer.eod_id)  # fmt: skip
 checkpoints = ModelCheckpoint(dirpath="out/lightning", every_n_train_steps=5, save_last=True)
-trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=[checkpoints], limit_val_batches=0)
+trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto",
+                     logger=False, callbacks=[checkpoints], limit_val_batches=0)  # fmt: skip
 trainer.fit(TinyLM(tokenizer.vocab_size), datamodule=data, ckpt_path="last" if "--resume" in sys.argv else None)

@@ -92,6 +92,20 @@ def test_collate_rows_gives_the_default_collators_batches(tmp_path, corpora):
     assert collate_rows(mixed)["input_ids"].data_ptr() != mixed[0]["input_ids"].data_ptr()
 
 
+def test_accelerates_shards_are_the_loaders_ranks_to_the_last_global_batch():
+    """What the Trainer's DataLoader becomes on each of 2 ranks (its sequential sampler batched with drop_last, in
+    accelerate's BatchSamplerShard): corpusforge's sampler's micro-batches for that rank, the last incomplete global
+    batch dropped (not filled from the first samples), for sizes that leave 0, 1 and 3 samples over."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard
+
+    for total in (8, 9, 11):
+        for rank in range(2):
+            batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(total)), MBS, True)
+            theirs = list(BatchSamplerShard(batches, num_processes=2, process_index=rank))
+            assert theirs == list(PretrainingBatchSampler(total, 0, MBS, rank, 2)), f"{total} samples, rank {rank}"
+
+
 @pytest.mark.parametrize("change", list(TRAINING_ARGUMENTS))
 def test_arguments_that_would_reorder_or_drop_are_refused(tmp_path, change):
     wrong = {
