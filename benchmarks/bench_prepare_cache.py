@@ -50,7 +50,7 @@ from bench_blend import SEED, blend_list, make_datasets  # noqa: E402
 VOCAB = 50257
 
 
-def megatron_side(blend: list, spec: dict, cache: Path) -> None:
+def megatron_side(blend: list, spec: dict, cache: Path) -> float:
     from argparse import Namespace
 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -64,9 +64,11 @@ def megatron_side(blend: list, spec: dict, cache: Path) -> None:
         eod_mask_loss=False, create_attention_mask=False,
     )  # fmt: skip
     BlendedMegatronDatasetBuilder(GPTDataset, [spec["samples"], 0, 0], lambda: True, config).build()
+    return 0.0  # np.save, no fsync
 
 
-def corpusforge_side(blend: list, spec: dict, cache: Path) -> None:
+def corpusforge_side(blend: list, spec: dict, cache: Path) -> float:
+    """Returns the seconds spent in syncfs (which also writes other jobs' dirty data of the file system)."""
     from corpusforge.data.prepare_cache import MegatronCacheConfig, prepare_megatron_cache
 
     data_path = tuple(str(x) for p, w in zip(blend[0::2], blend[1::2]) for x in (w, p))  # Megatron's order
@@ -74,7 +76,7 @@ def corpusforge_side(blend: list, spec: dict, cache: Path) -> None:
         data_path, str(cache), spec["seq_length"], split=spec["split"], seed=SEED, train_samples=spec["samples"],
         valid_samples=0, test_samples=0, vocab_size=VOCAB, durable=spec["fsync"],
     )  # fmt: skip
-    prepare_megatron_cache(config)
+    return prepare_megatron_cache(config).sync_seconds
 
 
 def child(side: str, spec: dict) -> dict:
@@ -95,7 +97,7 @@ def child(side: str, spec: dict) -> dict:
     blend = blend_list(make_datasets(Path(spec["work"]), spec["datasets"], spec["docs"]))
     cache = Path(spec["cache"])
     t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-    (megatron_side if side == "megatron" else corpusforge_side)(blend, spec, cache)
+    sync_s = (megatron_side if side == "megatron" else corpusforge_side)(blend, spec, cache)
     seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     files = [n for n in os.listdir(cache) if not n.startswith(".")]
     return {
@@ -103,6 +105,7 @@ def child(side: str, spec: dict) -> dict:
         "build_s": round(seconds, 3),
         "build_cpu_s": round(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, 3),  # every thread, user + sys
         "build_sys_s": round(r1.ru_stime - r0.ru_stime, 3),
+        "sync_s": round(sync_s, 3),
         "files": len(files),
         "bytes": sum((cache / n).stat().st_size for n in files),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -166,7 +169,7 @@ def main() -> None:
     identical = same_files(caches["megatron"], caches["corpusforge"])
     for cache in [*kept, *caches.values()]:
         shutil.rmtree(cache)
-    keys = ("import_s", "build_s", "build_cpu_s", "build_sys_s", "process_wall_s", "peak_rss_mb")
+    keys = ("import_s", "build_s", "build_cpu_s", "build_sys_s", "sync_s", "process_wall_s", "peak_rss_mb")
     medians = {side: {k: round(statistics.median(x[k] for x in rs), 3) for k in keys} for side, rs in runs.items()}
     ratio = round(medians["megatron"]["build_s"] / medians["corpusforge"]["build_s"], 2)
     cpu_ratio = round(medians["megatron"]["build_cpu_s"] / medians["corpusforge"]["build_cpu_s"], 2)

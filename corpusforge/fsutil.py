@@ -377,7 +377,8 @@ def staging_dir(directory: str | os.PathLike) -> Path | None:
     parent, name = directory.parent, directory.name
     if not name or name in (".", ".."):
         return None
-    parent.mkdir(parents=True, exist_ok=True)
+    with naming(directory):
+        parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_stages(parent, name)
     mode = None
     try:
@@ -392,7 +393,8 @@ def staging_dir(directory: str | os.PathLike) -> Path | None:
                 return None
         mode = stat.S_IMODE(st.st_mode)
     stage = parent / f".{name}.{socket.gethostname()}-{os.getpid()}.{secrets.token_hex(4)}{_STAGE_SUFFIX}"
-    os.mkdir(stage)
+    with naming(directory, stage):  # a read-only or forbidden place names the directory asked for
+        os.mkdir(stage)
     if mode is not None:
         os.chmod(stage, mode)
     return stage

@@ -248,3 +248,11 @@ def test_stages_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
         (stage / "a.npy").write_bytes(b"partial")
     stage = fsutil.staging_dir(tmp_path / "cache")
     assert not stale.exists() and live.exists() and other.exists() and stage.exists()
+
+
+def test_staging_in_a_read_only_place_names_the_directory_asked_for(mount_tmpfs):
+    where = mount_tmpfs("1m", ",ro")
+    for target in (where / "cache", where / "a" / "cache"):
+        with pytest.raises(OSError) as err:
+            fsutil.staging_dir(target)
+        assert err.value.errno == errno.EROFS and err.value.filename == str(target)

@@ -170,6 +170,8 @@ class CacheStats:
     written_bytes: int = 0
     seconds: float = 0.0
     build_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    """Of `seconds`, waiting for syncfs: the file system's other dirty data is written too (another job's)."""
 
     def summary(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -545,7 +547,7 @@ class _Writer:
                 write_json_atomic(records / name, self.fresh, indent=None, sort_keys=True, durable=False)
             if self.stage is not None:
                 if self.durable:
-                    _sync(self.stage, self.arrays)
+                    _sync(self.stage, self.arrays, self.stats)
                 published = publish_dir(self.stage, self.directory, durable=self.durable)
                 if not published:
                     _move_in(self.stage, self.directory, self.durable)
@@ -553,13 +555,13 @@ class _Writer:
                 self.stats.written_bytes = written
                 return
             if self.durable and self.arrays:
-                _sync(self.directory, self.arrays)
+                _sync(self.directory, self.arrays, self.stats)
             # Last: megatron-core takes an entry whose files all exist as complete, so its description goes last.
             chunk = 1 + len(self.descriptions) // (4 * self.threads)  # a few tasks per thread, not one per file
             batches = [self.descriptions[i : i + chunk] for i in range(0, len(self.descriptions), chunk)]
             written += sum(self.pool.map(self._write_all, batches))
             if self.durable and self.descriptions:
-                _sync(self.directory, [name for name, _ in self.descriptions])
+                _sync(self.directory, [name for name, _ in self.descriptions], self.stats)
             self.stats.written_files = len(self.arrays) + len(self.descriptions)
             self.stats.written_bytes = written
         finally:
@@ -627,9 +629,18 @@ def _check_data(recorded: Any, entry: _Entry, directory: Path) -> None:
         )
 
 
-def _sync(directory: Path, names: list[str]) -> None:
+def _sync(directory: Path, names: list[str], stats: CacheStats) -> None:
     """Make the files `names` of `directory` and the directory durable: one syncfs(2) of the file system (one
-    journal commit for thousands of small files), else an fsync of each in a few threads."""
+    journal commit for thousands of small files), else an fsync of each in a few threads. Its seconds are added to
+    stats.sync_seconds."""
+    t0 = time.perf_counter()
+    try:
+        _sync_files(directory, names)
+    finally:
+        stats.sync_seconds = round(stats.sync_seconds + time.perf_counter() - t0, 3)
+
+
+def _sync_files(directory: Path, names: list[str]) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         if _syncfs(fd):
