@@ -5,6 +5,12 @@ build_train_valid_test_data_iterators wraps it) and get_batch_on_this_cp_rank; a
 consumed_train_samples (what Megatron-LM's checkpoint keeps of the data) every SAVE_EVERY steps.
 
     python megatron_lm_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume]
+
+With --context-parallel, under torchrun: megatron-core's parallel_state with a context-parallel group of all the
+ranks (on gloo), and each rank's get_batch_on_this_cp_rank slices of the first batches, of corpusforge's datasets and
+of megatron-core's own, recorded side by side.
+
+    torchrun --nproc-per-node 2 megatron_lm_job.py --context-parallel --corpora A,B --cache DIR --out DIR
 """
 
 from __future__ import annotations
@@ -17,7 +23,18 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from adapter_harness import EOD, MBS, SAVE_EVERY, SEQ, STEPS, block_until_killed, job_arguments, record_step  # noqa: E402
+from adapter_harness import (  # noqa: E402
+    EOD,
+    MBS,
+    SAVE_EVERY,
+    SEQ,
+    STEPS,
+    VOCAB,
+    block_until_killed,
+    job_arguments,
+    rank_dir,
+    record_step,
+)
 
 
 def megatron_args(corpora: list[str], cache: str, **changes) -> argparse.Namespace:
@@ -37,10 +54,42 @@ def megatron_args(corpora: list[str], cache: str, **changes) -> argparse.Namespa
 
 
 TOKENIZER = SimpleNamespace(eod=EOD)  # what the provider reads of Megatron's tokenizer (no pad: megatron-core's -1)
+TP_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+"""What Megatron-LM's get_batch_on_this_tp_rank (megatron/training/utils.py, not in the package) takes of a batch,
+before pretrain_gpt.py's get_batch slices it with get_batch_on_this_cp_rank (which cannot slice a blend's (B,)
+dataset_id)."""
 
 
-def batches(dataset, consumed: int, micro_batch_size: int = MBS, rank: int = 0, world: int = 1, workers: int = 0):
-    """Megatron-LM's train iterator over `dataset` from `consumed` samples on."""
+class Tokenizer:
+    """The attributes megatron-core's GPTDataset reads from a tokenizer (pad only where given)."""
+
+    def __init__(self, pad: int | None = None) -> None:
+        self.eod, self.vocab_size = EOD, VOCAB
+        if pad is not None:
+            self.pad = pad
+        self.unique_identifiers = {"class": "Tokenizer", "pad": pad}
+
+
+def megatron_core_datasets(args: argparse.Namespace, sizes, tokenizer: Tokenizer, cache):
+    """megatron-core's own (train, valid, test), configured as pretrain_gpt.py configures them from `args`."""
+    from megatron.core.datasets import gpt_dataset as mgpt
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    config = mgpt.GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
+        split=args.split, path_to_cache=str(cache), tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )  # fmt: skip
+    return BlendedMegatronDatasetBuilder(mgpt.GPTDataset, list(sizes), lambda: True, config).build()
+
+
+def batches(dataset, consumed: int, micro_batch_size: int = MBS, rank: int = 0, world: int = 1, workers: int = 0,
+            keys: tuple[str, ...] | None = None):  # fmt: skip
+    """Megatron-LM's train iterator over `dataset` from `consumed` samples on (only `keys` of each batch, as
+    get_batch_on_this_tp_rank takes them, where given)."""
     import torch
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -52,7 +101,10 @@ def batches(dataset, consumed: int, micro_batch_size: int = MBS, rank: int = 0, 
                                          persistent_workers=workers > 0)  # fmt: skip
     iterator = RerunDataIterator(iter(loader))
     for _ in range(len(sampler)):
-        yield get_batch_on_this_cp_rank(next(iterator))
+        batch = next(iterator)
+        if keys is not None:
+            batch = {key: batch.get(key) for key in keys}
+        yield get_batch_on_this_cp_rank(batch)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,5 +130,39 @@ def main(argv: list[str] | None = None) -> None:
             break
 
 
+def context_parallel_main(argv: list[str]) -> None:
+    """Each rank's context-parallel slices of the first STEPS batches, corpusforge's and megatron-core's, saved as
+    rank-R/{ours,theirs}-STEP-KEY.npy."""
+    import numpy as np
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from corpusforge.adapters.megatron_lm import build_datasets_from_args
+    from corpusforge.fsutil import save_npy_atomic
+
+    p = job_arguments()
+    p.add_argument("--context-parallel", action="store_true")
+    a = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    args = megatron_args(a.corpora.split(","), a.cache, reset_position_ids=True, eod_mask_loss=True)
+    sizes = [STEPS * MBS, 0, 0]
+    sides = {"ours": build_datasets_from_args(args, sizes, TOKENIZER)[0],
+             "theirs": megatron_core_datasets(args, sizes, Tokenizer(), Path(a.cache) / "megatron")[0]}  # fmt: skip
+    dp_rank, dp_world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    out = rank_dir(Path(a.out))
+    out.mkdir(parents=True, exist_ok=True)
+    for side, dataset in sides.items():
+        for step, batch in enumerate(batches(dataset, 0, rank=dp_rank, world=dp_world, keys=TP_KEYS), start=1):
+            for key, value in batch.items():
+                if value is not None:  # no attention_mask unless asked
+                    save_npy_atomic(out / f"{side}-{step:04d}-{key}.npy", np.asarray(value), durable=False)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    if "--context-parallel" in sys.argv:
+        context_parallel_main(sys.argv[1:])
+    else:
+        main()

@@ -5,17 +5,27 @@ The consumers run here are those of Megatron-LM's train path that the megatron-c
 Megatron-LM's own code does around them: a torch DataLoader with the default collate and Megatron's pretraining
 sampler (megatron/training/datasets/data_samplers.py is not in the package; corpusforge's PretrainingBatchSampler
 is its equivalent, tested against its semantics in tests/data/test_loader.py), megatron.core.rerun_state_machine's
-RerunDataIterator and megatron.core.utils.get_batch_on_this_cp_rank (context-parallel size 1: no process group
-here). Not run: megatron/training (pretrain(), get_batch_on_this_tp_rank's broadcast), which needs GPUs.
+RerunDataIterator and megatron.core.utils.get_batch_on_this_cp_rank (context-parallel size 1 here; size 2 under a
+2-rank torchrun, megatron-core's parallel_state groups made on gloo). Not run: megatron/training (pretrain(),
+get_batch_on_this_tp_rank's broadcast), which needs GPUs.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import pytest
-from adapter_harness import EOD, KILL_AFTER, MBS, VOCAB, assert_resumed_exactly, killed_and_resumed, make_corpora
+from adapter_harness import (
+    KILL_AFTER,
+    MBS,
+    SEQ,
+    STEPS,
+    assert_resumed_exactly,
+    finish_job,
+    killed_and_resumed,
+    make_corpora,
+    start_job,
+    torchrun_job,
+)
 
 from corpusforge.adapters.megatron_lm import build_datasets, build_datasets_from_args
 from corpusforge.errors import ArgumentError
@@ -36,30 +46,6 @@ def _single_process_rank(monkeypatch):
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> list[str]:
     return make_corpora(tmp_path_factory.mktemp("corpora"))
-
-
-class Tokenizer:
-    """The attributes megatron-core's GPTDataset reads from a tokenizer (pad only where given)."""
-
-    def __init__(self, pad: int | None = None) -> None:
-        self.eod, self.vocab_size = EOD, VOCAB
-        if pad is not None:
-            self.pad = pad
-        self.unique_identifiers = {"class": "Tokenizer", "pad": pad}
-
-
-def megatron_core_datasets(args: argparse.Namespace, sizes, tokenizer: Tokenizer, cache):
-    """megatron-core's own (train, valid, test), configured as pretrain_gpt.py configures them from `args`."""
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    config = mgpt.GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
-        split=args.split, path_to_cache=str(cache), tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-    )  # fmt: skip
-    return mbuilder.BlendedMegatronDatasetBuilder(mgpt.GPTDataset, list(sizes), lambda: True, config).build()
 
 
 def split_of(dataset):
@@ -99,8 +85,8 @@ def test_same_batches_as_megatron_core(tmp_path, corpora, case):
     if case != "blend":
         changes = {**changes, "data_path": [corpora[0]]}
     args = job.megatron_args(corpora, str(tmp_path / "ours"), **{"split": "80,15,5", **changes})
-    ours = build_datasets_from_args(args, sizes, Tokenizer(pad))
-    theirs = megatron_core_datasets(args, sizes, Tokenizer(pad), tmp_path / "megatron")
+    ours = build_datasets_from_args(args, sizes, job.Tokenizer(pad))
+    theirs = job.megatron_core_datasets(args, sizes, job.Tokenizer(pad), tmp_path / "megatron")
     compared = 0
     for mine, reference in zip(ours, theirs):
         assert (mine is None) == (reference is None)
@@ -158,3 +144,34 @@ def test_resume_after_kill_continues_with_the_next_batch(tmp_path, corpora):
                                      job.TOKENIZER)[0]  # fmt: skip
     own = [batch["tokens"].numpy() for _, batch in zip(range(len(uninterrupted)), make_loader(train.dataset, MBS))]
     np.testing.assert_array_equal(np.stack([uninterrupted[s] for s in sorted(uninterrupted)]), np.stack(own))
+
+
+@pytest.mark.slow
+def test_context_parallel_2_slices_the_same_batches(tmp_path, corpora):
+    """Under a 2-rank torchrun (gloo), megatron-core's initialize_model_parallel(context_parallel_size=2), and the
+    batches Megatron-LM's get_batch takes (get_batch_on_this_tp_rank's keys) sliced by get_batch_on_this_cp_rank:
+    on each context-parallel rank corpusforge's slices equal megatron-core's own dataset's (keys, dtypes, shapes,
+    values), and are chunks r and 3 - r of 4 along the sequence of corpusforge's whole batch (the attention mask's
+    rows), the two ranks' together all of it."""
+    out = tmp_path / "out"
+    command = torchrun_job("megatron_lm_job.py", 2, "--context-parallel", "--corpora", ",".join(corpora), "--cache",
+                           str(tmp_path / "cache"), "--out", str(out))  # fmt: skip
+    finish_job(start_job(command, tmp_path / "cp.log"), tmp_path / "cp.log", timeout=300)
+    args = job.megatron_args(corpora, str(tmp_path / "cache"), reset_position_ids=True, eod_mask_loss=True)
+    train = build_datasets_from_args(args, [STEPS * MBS, 0, 0], job.TOKENIZER)[0]
+    whole = list(job.batches(train, 0, keys=job.TP_KEYS))  # context-parallel size 1 here: the whole sequence
+    assert len(whole) == STEPS
+    chunk = SEQ // 4
+    for rank in range(2):
+        mine = slice(rank * chunk, (rank + 1) * chunk), slice((3 - rank) * chunk, (4 - rank) * chunk)
+        for step, batch in enumerate(whole, start=1):
+            for key in job.TP_KEYS:
+                ours, theirs = (
+                    np.load(out / f"rank-{rank}" / f"{side}-{step:04d}-{key}.npy") for side in ("ours", "theirs")
+                )
+                assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), f"rank {rank} step {step} {key}"
+                np.testing.assert_array_equal(ours, theirs, err_msg=f"rank {rank} step {step} {key}")
+                full = batch[key].numpy()
+                axis = 2 if key == "attention_mask" else 1  # (B, 1, S, S): its query rows
+                expected = np.concatenate([np.take(full, range(s.start, s.stop), axis=axis) for s in mine], axis=axis)
+                np.testing.assert_array_equal(ours, expected, err_msg=f"rank {rank} step {step} {key}: not its chunks")
