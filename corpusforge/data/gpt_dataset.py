@@ -1121,13 +1121,10 @@ class GPTDataset:
                     self._options(),
                     np.empty((0, 0), memory.dtype),  # no text: _gather makes its own scratch
                 )
-                self._mapped_path = self.indexed.reader.memory_location  # what readwatch names (_slot)
+                # the file a gather from `memory` marks its reads in (readwatch.slot_for, one call per gather)
+                self._mapped_path = self.indexed.reader.memory_location
             self._direct = args
         return args
-
-    def _slot(self) -> np.ndarray:
-        """This process's readwatch slot, naming the mapped .bin, for a gather from it (after _direct_args)."""
-        return readwatch.slot_for(self._mapped_path)
 
     def _read_fields(self, ids: np.ndarray, block: np.ndarray) -> bool:
         """Fill the (4, B, S) int32 `block` with the fields of samples `ids` in one compiled pass from the memory
@@ -1138,14 +1135,14 @@ class GPTDataset:
         args = self._direct_args()
         if args is not None and _NUMPY_SERVED[0] < _NUMPY_SAMPLES and not (ready(_gather) or started()):
             _NUMPY_SERVED[0] += len(ids)
-            return _gather_numpy(ids, *args, block, self._slot()) == 0
-        return args is not None and _gather(ids, *args, block, self._slot()) == 0
+            return _gather_numpy(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
+        return args is not None and _gather(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
 
     def _read_flat(self, ids: np.ndarray, flat: np.ndarray) -> bool:
         """_read_bounded into `flat`, int32 laid out as batch.bounded_block (see _gather_flat)."""
         args = self._direct_args()
         if args is not None and (started() or ready(_gather_flat)):
-            status = _gather_flat(ids, *args, flat, self.config.seq_length, self._slot())
+            status = _gather_flat(ids, *args, flat, self.config.seq_length, readwatch.slot_for(self._mapped_path))
             if status != -2:
                 return status == 0
         b, s, flat = len(ids), self.config.seq_length, flat.reshape(-1)
@@ -1164,7 +1161,7 @@ class GPTDataset:
                 return False
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
             return True
-        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen, self._slot())
+        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen, readwatch.slot_for(self._mapped_path))
         if status == -2:
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])  # raises, naming the dataset
         return status == 0
@@ -1227,14 +1224,17 @@ class GPTDataset:
         bounded = self.config.document_boundaries and memory is not None and started()
         if bounded:  # the text and the boundaries, in as few columns as they take, in one compiled call
             text = np.empty((len(ids), width), memory.dtype)
-            args = self._direct_args()[:-1]
-            status, boundaries, max_seqlen = _gather_raw_bounded(ids, *args, text, self._slot())
+            args, slot = self._direct_args()[:-1], readwatch.slot_for(self._mapped_path)
+            status, boundaries, max_seqlen = _gather_raw_bounded(ids, *args, text, slot)
             if status == 0:
                 return RawBatch(text, False, None, boundaries, max_seqlen)
             if status == -2:
                 self._raise_too_many_pieces()
         elif memory is not None:  # one compiled pass from the map into the batch
             text = np.empty((len(ids), width), memory.dtype)
+            path = self.__dict__.get("_mapped_path")
+            if path is None:  # (a mask's config has no _direct_args to set it)
+                path = self._mapped_path = indexed.reader.memory_location
             status = _gather(
                 ids,
                 self.shuffle_index,
@@ -1247,7 +1247,7 @@ class GPTDataset:
                 self._options(),
                 text,
                 _NO_FIELDS,
-                readwatch.slot_for(indexed.reader.memory_location),
+                readwatch.slot_for(path),
             )
             if status == 0:
                 return self._with_boundaries(ids, RawBatch(text, maybe_padded=False))
