@@ -50,15 +50,38 @@ CALLS = {
 }
 
 
-def other_dataset(tree: Path, ours):
-    """`ours` as the other checkout's GPTDataset: the same indexed dataset, indices and config."""
+def other_module(tree: Path):
+    """The other checkout's corpusforge/data/gpt_dataset.py, as a module of its own."""
     spec = importlib.util.spec_from_file_location("other_gpt_dataset", tree / "corpusforge/data/gpt_dataset.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    return module
+
+
+def other_dataset(module, ours):
+    """`ours` as the other checkout's GPTDataset: the same indexed dataset, indices and config."""
     other = object.__new__(module.GPTDataset)
     other.__dict__.update({k: v for k, v in ours.__dict__.items() if k not in ("_direct", "_mapped_path")})
     return other
+
+
+def blend_sides(module, n: int, tokens: int, docs: int, seq: int) -> dict:
+    """A blend of `n` datasets of tokens / n each, equal weights, on both sides: a batch of 8 reads from up to 8 of
+    them, one call of each GPTDataset per dataset (as a blend of thousands does)."""
+    from corpusforge.data.blended import BlendedDataset
+
+    parts = []
+    for d in range(n):
+        prefix = HERE / "work" / "loader" / f"blend{n}_{d}_{tokens // n:.0e}tok_text_document".replace("+", "")
+        bench.make_dataset(prefix, tokens // n, docs // n, seed=d)
+        bench.warm(f"{prefix}.bin")
+        parts.append(bench.ours_build(str(prefix), seq, [tokens // n * 969 // 1000 // seq - 1, 1, 1])[0])
+    size = sum(len(p) for p in parts) // 2
+    return {
+        "this": BlendedDataset(parts, [1.0] * n, size),
+        "other": BlendedDataset([other_dataset(module, p) for p in parts], [1.0] * n, size),
+    }
 
 
 def commit(tree: Path) -> str:
@@ -74,6 +97,7 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--ids", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--blend", type=int, default=0, help="read a blend of this many datasets (tokens split evenly)")
     ap.add_argument("--chunk", type=int, default=500, help="ids per timed call sequence; the sides alternate per chunk")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -85,8 +109,14 @@ def main() -> None:
     bench.warm(f"{prefix}.bin")
     train = tokens * 969 // 1000
     sizes = [train // seq - 1, tokens * 30 // 1000 // seq - 1, max(1, tokens // 1000 // seq - 1)]
-    this = bench.ours_build(str(prefix), seq, sizes)[0]
-    sides = {"this": this, "other": other_dataset(args.other, this)}
+    module = other_module(args.other)
+    if args.blend:
+        sides = blend_sides(module, args.blend, tokens, docs, seq)
+    else:
+        ours = bench.ours_build(str(prefix), seq, sizes)[0]
+        sides = {"this": ours, "other": other_dataset(module, ours)}
+    this = sides["this"]
+    read_mode = (this.datasets[0] if args.blend else this).indexed.read_mode
     ids = np.random.default_rng(0).integers(0, len(this), args.ids).tolist()
     for i in ids[:200]:  # the same samples
         a, b = sides["this"][i], sides["other"][i]
@@ -135,14 +165,16 @@ def main() -> None:
             "ids": args.ids,
             "rounds": args.rounds,
             "batch": BATCH,
-            "read_mode": this.indexed.read_mode,
+            "blend": args.blend,
+            "read_mode": read_mode,
         },
         "median": summary,
         "load_average_per_round": loads,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nmedian of {args.rounds} rounds, us per sample ({args.ids} random ids, warm page cache, read mode "
-          f"{this.indexed.read_mode}); this {report['this']}, other {report['other']}:")  # fmt: skip
+    what = f"read mode {read_mode}" + (f", a blend of {args.blend}" if args.blend else "")
+    print(f"\nmedian of {args.rounds} rounds, us per sample ({args.ids} random ids, warm page cache, {what}); "
+          f"this {report['this']}, other {report['other']}:")  # fmt: skip
     for call, row in summary.items():
         print(f"  {call:20s} this {row['this_us']:7.2f}  other {row['other_us']:7.2f}  this/other: paired median "
               f"{row['ratio_paired_median']:.3f}, of best {row['ratio_of_best']:.3f}")  # fmt: skip
