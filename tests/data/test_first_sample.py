@@ -12,6 +12,7 @@ import pytest
 
 from corpusforge.data import build_gpt_datasets
 from corpusforge.data.gpt_dataset import _gather, _gather_numpy
+from corpusforge.storage import readwatch
 
 OPTIONS = [
     {},
@@ -25,13 +26,18 @@ def test_numpy_gather_equals_the_kernel(corpora, tmp_path, options):
     for prefix in corpora[:2]:  # uint16 with empty documents, int32
         train = build_gpt_datasets(prefix, 64, "1", 1234, (300, 0, 0), tmp_path, eod_token_id=0, **options)[0]
         args = train._direct_args()
+        slot = readwatch.slot_for(train._mapped_path)  # both mark their read there: one more, at the same offset
         ids = np.random.default_rng(0).integers(0, len(train), 40)
         for batch in (ids[:1], ids):
             ours, theirs = np.empty((2, 4, len(batch), 64), np.int32)
-            assert _gather_numpy(batch, *args, ours) == _gather(batch, *args, theirs) == 0
+            reads = slot[readwatch.READS]
+            assert _gather_numpy(batch, *args, ours, slot) == 0 and slot[readwatch.READS] == reads + 1
+            where = slot[readwatch.OFFSET]
+            assert _gather(batch, *args, theirs, slot) == 0 and slot[readwatch.READS] == reads + 2
+            assert slot[readwatch.OFFSET] == where and slot[readwatch.START] == 0
             np.testing.assert_array_equal(ours, theirs)
         block = np.empty((4, 1, 64), np.int32)
-        assert _gather_numpy(np.array([len(train)]), *args, block) == -1
+        assert _gather_numpy(np.array([len(train)]), *args, block, slot) == -1
 
 
 def test_first_sample_of_a_fresh_process_does_not_start_numba(corpora, tmp_path):
