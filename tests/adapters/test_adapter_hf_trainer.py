@@ -106,6 +106,23 @@ def test_accelerates_shards_are_the_loaders_ranks_to_the_last_global_batch():
             assert theirs == list(PretrainingBatchSampler(total, 0, MBS, rank, 2)), f"{total} samples, rank {rank}"
 
 
+def test_the_loader_state_callback_needs_trainer_samples(tmp_path, corpora):
+    """LoaderStateCallback over a train_dataset that is not TrainerSamples (it could keep no loader state): refused
+    in one line before a step."""
+    from corpusforge.adapters.hf_trainer import LoaderStateCallback
+
+    train, _, _ = build_gpt_datasets(corpora[0], 32, "1", 3, (8, 0, 0), tmp_path, eod_token_id=0)
+    rows = [TrainerSamples(train)[i] for i in range(len(train))]  # the same samples, as a plain list
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=32)  # fmt: skip
+    args = transformers.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=MBS, max_steps=1,
+                                          use_cpu=True, report_to=[], **TRAINING_ARGUMENTS)  # fmt: skip
+    trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=rows,
+                                   callbacks=[LoaderStateCallback()])  # fmt: skip
+    with pytest.raises(ArgumentError, match="train_dataset is a list: pass TrainerSamples"):
+        trainer.train()
+
+
 @pytest.mark.parametrize("change", list(TRAINING_ARGUMENTS))
 def test_arguments_that_would_reorder_or_drop_are_refused(tmp_path, change):
     wrong = {
