@@ -135,7 +135,8 @@ class LoaderStateCallback(TrainerCallback, ExportableState):
     Example:
         >>> trainer = Trainer(..., train_dataset=TrainerSamples(train), callbacks=[LoaderStateCallback()])
         >>> trainer.train(resume_from_checkpoint="run/checkpoint-400")   # saved by 8 ranks, resumed by 4: refused
-        LoaderStateError: resume_from_checkpoint: checkpoint-400 consumed 25600 samples, 64 a step; ...
+        LoaderStateError: resume_from_checkpoint: checkpoint-400 consumed 25600 samples in 400 steps, 64 a step; a step
+        here takes 32 (per_device_train_batch_size 8 x gradient_accumulation_steps 1 x 4 ranks), ...
     """
 
     def __init__(self, loader_state: dict[str, Any] | None = None) -> None:
@@ -150,7 +151,7 @@ class LoaderStateCallback(TrainerCallback, ExportableState):
         if not isinstance(samples, TrainerSamples):
             raise ArgumentError(f"LoaderStateCallback keeps the state of TrainerSamples; the Trainer's train_dataset "
                                 f"is a {type(samples).__name__}: pass TrainerSamples(dataset)")  # fmt: skip
-        self.samples_per_step = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        self.samples_per_step = samples_per_step(args)
         loader = make_loader(samples.dataset, 1)  # only for its state: the fingerprint, seed and count
         saved = _saved_loader_state(state, type(self).__name__)
         if state.global_step > 0 and saved is not None:
@@ -177,7 +178,7 @@ def check_samples_per_step(where: str, consumed: int, global_step: int, args: An
     Example:
         >>> check_samples_per_step("checkpoint-4", 16, 4, TrainingArguments("run/", per_device_train_batch_size=4))
     """
-    per_step = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+    per_step = samples_per_step(args)
     if consumed == global_step * per_step:
         return
     theirs = f"{consumed // global_step} a step" if consumed % global_step == 0 else "a varying number a step"
@@ -188,6 +189,16 @@ def check_samples_per_step(where: str, consumed: int, global_step: int, args: An
         f"{global_step * per_step}, not {consumed}: set those three to make {consumed // max(1, global_step)} a step, "
         "as the checkpoint's run did"
     )
+
+
+def samples_per_step(args: Any) -> int:
+    """Samples one optimizer step of the Trainer takes, over all data-parallel ranks.
+
+    Example:
+        >>> samples_per_step(TrainingArguments("run/", per_device_train_batch_size=4, gradient_accumulation_steps=2))
+        8
+    """
+    return args.train_batch_size * args.gradient_accumulation_steps * args.world_size
 
 
 def _saved_loader_state(state: Any, name: str) -> dict[str, Any] | None:
