@@ -192,13 +192,15 @@ def check_samples_per_step(where: str, consumed: int, global_step: int, args: An
 
 
 def samples_per_step(args: Any) -> int:
-    """Samples one optimizer step of the Trainer takes, over all data-parallel ranks.
+    """Samples one optimizer step of the Trainer takes, over all data-parallel ranks: each rank's batch, unless
+    accelerate's split_batches cuts one batch into the ranks' parts.
 
     Example:
         >>> samples_per_step(TrainingArguments("run/", per_device_train_batch_size=4, gradient_accumulation_steps=2))
         8
     """
-    return args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+    split = getattr(getattr(args, "accelerator_config", None), "split_batches", False)
+    return args.train_batch_size * args.gradient_accumulation_steps * (1 if split else args.world_size)
 
 
 def _saved_loader_state(state: Any, name: str) -> dict[str, Any] | None:
