@@ -172,14 +172,19 @@ def test_larger_dataset_default_split(tmp_path):
 # the index builders against megatron-core's compiled helpers, on many random inputs
 
 
-@pytest.fixture(params=["compiled", "numpy"])
+@pytest.fixture(params=["c", "numba", "numpy"])
 def index_kernels(request, monkeypatch):
-    """The index builders both ways: their numba kernels, and the numpy code used before a kernel is loaded."""
+    """The index builders every way: the C sample index (where pip built it), their numba kernels, and the numpy
+    code used before a kernel is loaded."""
     from corpusforge.data import gpt_dataset
 
-    if request.param == "compiled":
-        monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 0)
+    if request.param == "c":
+        assert gpt_dataset._sample_index is not None, "corpusforge._sample_index is not built: pip install -e ."
     else:
+        monkeypatch.setattr(gpt_dataset, "_sample_index", None)
+    if request.param == "numba":
+        monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 0)
+    elif request.param == "numpy":
         monkeypatch.setattr(gpt_dataset, "_COMPILED_FROM", 1 << 62)
         monkeypatch.setattr(gpt_dataset, "ready", lambda kernel: False)
         monkeypatch.setattr(gpt_dataset, "started", lambda: False)
