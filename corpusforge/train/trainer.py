@@ -521,8 +521,11 @@ def wrap_pipeline(model: GPT | Llama, cfg: TrainConfig, rt: Runtime, layout: par
         """Masked positions come as target -1 (the schedule passes one target tensor)."""
         return loss_fn(logits, targets.clamp(min=0), (targets >= 0).float()) / scale
 
-    plan.schedule = pipe.SchedulePerShape(lambda: pipe.build_schedule(
-        parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(), rt.device, loss_of_microbatch))
+    plan.schedule = pipe.SchedulePerShape(
+        lambda: pipe.build_schedule(
+            parts, layout, cfg.parallel.pp_schedule, plan.mesh["pp"].get_group(), rt.device, loss_of_microbatch
+        )
+    )
     plan.stage_ids = [s for s, _ in parts]
     return torch.nn.ModuleList([m for _, m in parts]), None
 

@@ -195,8 +195,8 @@ def sessions_of_writers(where, monkeypatch) -> set[tuple[int, int]]:
 def test_checkpoint_writers_are_sessions_of_their_own_as_fio_jobs_are(tmp_path, monkeypatch):
     """fio's job processes call setsid(); under autogroup scheduling each session gets its own share of a busy
     CPU, so 8 writers in one session lose to 8 fio jobs what the copy into the page cache needs (docs/bench-io.md).
-    Every checkpoint writer (as every worker of every pattern: runner._worker) must be its own session; without own_session() they would share the test's, which
-    this test sees too (so it can fail)."""
+    Every checkpoint writer (as every worker of every pattern: runner._worker) must be its own session; without
+    own_session() they would share the test's, which this test sees too (so it can fail)."""
     where = tmp_path / "mnt"
     where.mkdir()
     pairs = sessions_of_writers(where, monkeypatch)
