@@ -161,6 +161,18 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = 
         f.write(data)
 
 
+def _writev_all(fd: int, buffers: tuple[Any, ...]) -> int:
+    """Write every byte of `buffers` to `fd`: one writev, and after a short one (a signal, a huge buffer) the rest
+    one write at a time. Returns the bytes written."""
+    size = sum(memoryview(b).nbytes for b in buffers)
+    done = os.writev(fd, buffers)
+    if done < size:
+        rest = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))[done:]
+        while rest:
+            rest = rest[os.write(fd, rest) :]
+    return size
+
+
 def write_at_atomic(dir_fd: int, name: str, *buffers: Any, where: str | os.PathLike = "") -> int:
     """Write `buffers` to `name` in the open directory `dir_fd` whole or not at all, as atomic_write does (a
     temporary name beside it, renamed), without the fsyncs (the caller makes many files durable at once: one
@@ -175,12 +187,7 @@ def write_at_atomic(dir_fd: int, name: str, *buffers: Any, where: str | os.PathL
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
         try:
-            size = sum(memoryview(b).nbytes for b in buffers)
-            done = os.writev(fd, buffers)
-            if done < size:  # a short write (a signal, a huge buffer): the rest, one write at a time
-                rest = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))[done:]
-                while rest:
-                    rest = rest[os.write(fd, rest) :]
+            size = _writev_all(fd, buffers)
         finally:
             os.close(fd)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -335,12 +342,7 @@ def write_new_at(dir_fd: int, name: str, *buffers: Any, where: str | os.PathLike
             raise type(e)(e.errno, e.strerror or os.strerror(e.errno), os.path.join(where, name)) from e
         raise
     try:
-        size = sum(memoryview(b).nbytes for b in buffers)
-        done = os.writev(fd, buffers)
-        if done < size:  # a short write (a signal, a huge buffer): the rest, one write at a time
-            rest = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))[done:]
-            while rest:
-                rest = rest[os.write(fd, rest) :]
+        size = _writev_all(fd, buffers)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
