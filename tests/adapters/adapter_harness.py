@@ -9,6 +9,7 @@ killed: the test kills it there, as a node failure would, with batches already f
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -205,6 +206,40 @@ def killed_and_resumed(script: str, main, corpora: list[str], cache: Path, root:
         path.unlink()
     main([*base, "--out", str(killed), "--resume"])
     return recorded(root / "uninterrupted"), before, recorded(killed)
+
+
+def rank_records(out: Path, kind: str = "step", world: int = 2) -> list[dict[int, np.ndarray]]:
+    """What each rank of a `world`-rank job under `out` recorded (record_step, record_loss, record_reads)."""
+    return [recorded(out / f"rank-{r}", kind) for r in range(world)]
+
+
+def two_ranks_killed_and_resumed(script: str, base: list[str], root: Path) -> list[dict[int, np.ndarray]]:
+    """Each rank's steps before the kill: one 2-rank torchrun launch of `script` is SIGKILLed rank by rank after its
+    checkpoint at KILL_AFTER (root/killed); a second launch runs, in turn, the uninterrupted 2-rank run
+    (root/uninterrupted) and, once the first is killed and its records cleared, the killed run resumed by 2 ranks.
+    Two launches rather than three: each costs several seconds of CPU a rank in imports."""
+    killed, resume_now = root / "killed", root / "killed-and-cleared"
+    (root / "turns.json").write_text(json.dumps([
+        [*base, "--out", str(root / "uninterrupted")],
+        [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+    ]))  # fmt: skip
+    logs = root / "killed.log", root / "turns.log"
+    to_kill = start_job(torchrun_job(script, 2, *base, "--out", str(killed), "--block-after", str(KILL_AFTER)),
+                        logs[0])  # fmt: skip
+    turns = start_job(torchrun_job(script, 2, "--runs", str(root / "turns.json")), logs[1])
+    try:
+        kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
+        before = rank_records(killed)
+        for path in killed.glob("rank-*/*.npy"):
+            path.unlink()
+        resume_now.touch()
+        finish_job(turns, logs[1], timeout=300)
+    finally:
+        for proc in (to_kill, turns):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return before
 
 
 def assert_resumed_exactly(uninterrupted: dict[int, np.ndarray], before: dict[int, np.ndarray],

@@ -7,8 +7,6 @@ ranks continues the global order where a step keeps its number of samples, and i
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from adapter_harness import (
@@ -16,13 +14,11 @@ from adapter_harness import (
     MBS,
     STEPS,
     assert_resumed_exactly,
-    finish_job,
-    kill_ranks_at_markers,
     killed_and_resumed,
     make_corpora,
+    rank_records,
     recorded,
-    start_job,
-    torchrun_job,
+    two_ranks_killed_and_resumed,
 )
 
 from corpusforge.adapters.hf_trainer import (
@@ -157,36 +153,12 @@ def test_killed_after_checkpoint_resumes_with_the_next_batch(tmp_path, corpora):
 # the resume at another number of ranks is tested 2 -> 1 only, in this process.)
 
 
-def rank_records(out, kind: str = "step") -> list[dict]:
-    return [recorded(out / f"rank-{r}", kind) for r in range(2)]
-
-
 @pytest.fixture(scope="module")
 def runs(corpora, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_two_ranks")
     base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
     job.train_dataset(corpora, str(root / "cache"))  # the index caches, built once before the ranks read them
-    killed, resume_now = root / "killed", root / "killed-and-cleared"
-    (root / "turns.json").write_text(json.dumps([
-        [*base, "--out", str(root / "uninterrupted")],
-        [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
-    ]))  # fmt: skip
-    logs = root / "killed.log", root / "turns.log"
-    to_kill = start_job(torchrun_job("hf_trainer_job.py", 2, *base, "--out", str(killed), "--block-after",
-                                     str(KILL_AFTER)), logs[0])  # fmt: skip
-    turns = start_job(torchrun_job("hf_trainer_job.py", 2, "--runs", str(root / "turns.json")), logs[1])
-    try:
-        kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
-        before = rank_records(killed)
-        for path in killed.glob("rank-*/*.npy"):
-            path.unlink()
-        resume_now.touch()
-        finish_job(turns, logs[1], timeout=300)
-    finally:
-        for proc in (to_kill, turns):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+    before = two_ranks_killed_and_resumed("hf_trainer_job.py", base, root)
     return root, base, before
 
 
