@@ -31,6 +31,7 @@ worker started with spawn reopens them from their paths.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import numpy as np
 from corpusforge.retro.chunks import ChunkTable
 from corpusforge.retro.common import RetroError, open_dataset
 from corpusforge.retro.neighbours import read_neighbours
+from corpusforge.storage import readwatch
 
 NEIGHBOUR_MODES = ("real", "random")
 
@@ -121,12 +123,12 @@ class RetroDataset:
         self.pad_id, self.retrieved_length = pad_id, retrieved_chunks * self.chunk_length
         self.mode, self.seed = neighbours, seed
         self.db_chunks = ChunkTable.load(db / "chunks")
-        self.db_tokens = open_dataset(cfg["prefix"]).tokens
+        self.db_tokens, self.db_bin = _mapped_tokens(cfg["prefix"])
         if cfg.get("query_prefix"):
             self.query_chunks = ChunkTable.load(db / "query_chunks")
-            self.query_tokens = open_dataset(cfg["query_prefix"]).tokens
+            self.query_tokens, self.query_bin = _mapped_tokens(cfg["query_prefix"])
         else:
-            self.query_chunks, self.query_tokens = self.db_chunks, self.db_tokens
+            self.query_chunks, self.query_tokens, self.query_bin = self.db_chunks, self.db_tokens, self.db_bin
         path = Path(neighbours_path) if neighbours_path else db / "neighbours.bin"
         self.neighbours = read_neighbours(path, n_chunks=len(self.db_chunks))  # ids out of range refused here
         if len(self.neighbours) != len(self.query_chunks):
@@ -201,14 +203,15 @@ class RetroDataset:
         joins = (lengths == m) & (cids + 1 < len(q)) & (q.doc[nxt] == q.doc[cids])
         starts = np.append(q.start[cids], (q.start[cids[:, -1]] + m)[:, None], axis=1)  # (B, L+1)
         span = np.append(lengths, joins[:, -1:].astype(lengths.dtype), axis=1)  # the extra token: 1 or 0
-        text = _gather(self.query_tokens, starts, span, m).reshape(len(cids), -1)[:, : m * self.chunks_per_sample + 1]
+        text = _gather(self.query_tokens, self.query_bin, starts, span, m).reshape(len(cids), -1)
+        text = text[:, : m * self.chunks_per_sample + 1]
         nb_ids = self._neighbour_ids(cids)  # (B, L, K)
         db = self.db_chunks
         safe = np.maximum(nb_ids, 0)
         nb_starts = db.start[safe]
         nb_lengths = np.clip(db.doc_end[db.doc[safe]] - nb_starts, 0, self.retrieved_length)
         nb_lengths = np.where(nb_ids >= 0, nb_lengths, 0).astype(np.int16)
-        nb_tokens = _gather(self.db_tokens, nb_starts, nb_lengths, self.retrieved_length)
+        nb_tokens = _gather(self.db_tokens, self.db_bin, nb_starts, nb_lengths, self.retrieved_length)
         return RetroRawBatch(text, lengths, joins, nb_tokens, nb_lengths, cids, nb_ids)
 
     def assemble(self, raw: RetroRawBatch, as_torch: bool = False, pin_memory: bool = False) -> dict[str, Any]:
@@ -244,12 +247,25 @@ class RetroDataset:
         self.__init__(**state)
 
 
-def _gather(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    """(..., width) tokens from `source` at `starts` (...), each zero past its length, in the source's dtype;
-    one fancy-indexed read of the memmap for all of them."""
+def _mapped_tokens(prefix: str) -> tuple[np.ndarray, str]:
+    """The token array of the dataset at `prefix` (its memory map) and the file it maps, which a read of it names."""
+    indexed = open_dataset(prefix)
+    return indexed.tokens, indexed.reader.memory_location
+
+
+def _gather(source: np.ndarray, path: str, starts: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    """(..., width) tokens from `source` (the map of `path`) at `starts` (...), each zero past its length, in the
+    source's dtype; one fancy-indexed read of the memmap for all of them, marked in readwatch as one read from the
+    lowest start: its page faults wait on the storage, and a watchdog then names the file (as for GPT samples)."""
     pos = starts[..., None] + np.arange(width, dtype=np.int64)  # (..., width)
     real = np.arange(width) < lengths[..., None]
-    out = source[np.clip(pos, 0, max(len(source) - 1, 0))]
+    slot, itemsize = readwatch.slot_for(path), source.dtype.itemsize
+    lowest = int(starts.min()) * itemsize if starts.size else 0
+    began = readwatch.mark_begin(slot, lowest, int(lengths.sum()) * itemsize, time.monotonic_ns())
+    try:
+        out = source[np.clip(pos, 0, max(len(source) - 1, 0))]
+    finally:
+        readwatch.mark_end(slot, began, time.monotonic_ns())
     out[~real] = 0
     return out
 

@@ -4,6 +4,7 @@ document; missing neighbours masked; grouping, workers and pickling change nothi
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import struct
 
@@ -280,3 +281,18 @@ def test_neighbour_ids_out_of_range_are_refused_at_open_naming_the_first_bad_row
         f.seek(HEADER)
         f.write(ids.tobytes())
     assert len(RetroDataset(db, seq_length=2 * M)) > 0  # repaired: opens
+
+
+def test_reads_of_the_maps_are_marked_for_a_watchdog(db):
+    """Each batch's two gathers out of the memory maps (the samples' chunks, their neighbours) are marked as reads in
+    readwatch, naming the .bin they map: a read that hangs in a page fault is named as GPT samples' are; none is left
+    in progress after the batch."""
+    from corpusforge.storage import readwatch
+
+    ds = RetroDataset(db, seq_length=SEQ, seed=5)
+    slot = readwatch.slot_for(ds.db_bin)  # this process's own slot (other tests of a worker may share theirs)
+    before = int(slot[readwatch.READS])
+    ds.get_batch([0, 3])
+    assert slot[readwatch.READS] == before + 2 and slot[readwatch.START] == 0
+    assert slot[readwatch.NBYTES] > 0 and ds.db_bin.endswith(".bin")
+    assert not [r for r in readwatch.current() if r["pid"] == os.getpid()]
