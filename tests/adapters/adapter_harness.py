@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -213,21 +214,28 @@ def rank_records(out: Path, kind: str = "step", world: int = 2) -> list[dict[int
     return [recorded(out / f"rank-{r}", kind) for r in range(world)]
 
 
-def two_ranks_killed_and_resumed(script: str, base: list[str], root: Path) -> list[dict[int, np.ndarray]]:
+def two_ranks_killed_and_resumed(
+    script: str, base: list[str], root: Path, then: list[list[str]] = (), meanwhile: Any = None
+) -> list[dict[int, np.ndarray]]:
     """Each rank's steps before the kill: one 2-rank torchrun launch of `script` is SIGKILLed rank by rank after its
     checkpoint at KILL_AFTER (root/killed); a second launch runs, in turn, the uninterrupted 2-rank run
-    (root/uninterrupted) and, once the first is killed and its records cleared, the killed run resumed by 2 ranks.
-    Two launches rather than three: each costs several seconds of CPU a rank in imports."""
+    (root/uninterrupted), once the first is killed and its records cleared the killed run resumed by 2 ranks, then
+    the runs `then` (arguments after `base`). `meanwhile()` runs here while the launches start, before the kill (what
+    a run of `then` needs: a checkpoint of a 1-rank run). Two launches rather than more: each costs several seconds
+    of CPU a rank in imports."""
     killed, resume_now = root / "killed", root / "killed-and-cleared"
     (root / "turns.json").write_text(json.dumps([
         [*base, "--out", str(root / "uninterrupted")],
         [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+        *([*base, *run] for run in then),
     ]))  # fmt: skip
     logs = root / "killed.log", root / "turns.log"
     to_kill = start_job(torchrun_job(script, 2, *base, "--out", str(killed), "--block-after", str(KILL_AFTER)),
                         logs[0])  # fmt: skip
     turns = start_job(torchrun_job(script, 2, "--runs", str(root / "turns.json")), logs[1])
     try:
+        if meanwhile is not None:
+            meanwhile()
         kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
         before = rank_records(killed)
         for path in killed.glob("rank-*/*.npy"):

@@ -158,7 +158,15 @@ def runs(corpora, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_two_ranks")
     base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
     job.train_dataset(corpora, str(root / "cache"))  # the index caches, built once before the ranks read them
-    before = two_ranks_killed_and_resumed("hf_trainer_job.py", base, root)
+    one_rank = root / "one_rank"  # 1 rank of twice the micro-batch: the same samples a step as 2 ranks
+    one_at_two = ["--out", str(root / "one_at_two"), "--resume-from", str(one_rank / "run/checkpoint-4")]
+    before = two_ranks_killed_and_resumed(
+        "hf_trainer_job.py",
+        base,
+        root,
+        then=[one_at_two],
+        meanwhile=lambda: job.main([*base, "--out", str(one_rank), "--batch", "4"]),
+    )
     return root, base, before
 
 
@@ -253,3 +261,20 @@ def test_a_resume_that_would_not_continue_the_global_order_is_refused(runs, tmp_
     with pytest.raises(LoaderStateError, match=refusal):
         job.main([*base, "--out", str(tmp_path), "--resume-from", str(root / "killed/run/checkpoint-4"), *change])
     assert not recorded(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_1_rank_checkpoint_resumed_by_2_ranks_continues_the_global_order(runs):
+    """A 1-rank run of micro-batch 4, resumed from its checkpoint at step 4 by 2 ranks of micro-batch 2 (the same
+    samples a step): each rank trains what the uninterrupted 2-rank run trains at steps 5.., with its losses."""
+    root, _, _ = runs
+    uninterrupted, resumed = rank_records(root / "uninterrupted"), rank_records(root / "one_at_two")
+    losses, resumed_losses = rank_records(root / "uninterrupted", "loss"), rank_records(root / "one_at_two", "loss")
+    for rank in range(2):
+        assert sorted(resumed[rank]) == list(range(KILL_AFTER + 1, STEPS + 1))
+        for step, tokens in resumed[rank].items():
+            np.testing.assert_array_equal(tokens, uninterrupted[rank][step], err_msg=f"1 -> 2, rank {rank} step {step}")
+    one_rank = global_losses(resumed_losses)
+    for step, loss in global_losses(losses).items():
+        if step > KILL_AFTER:
+            assert one_rank[step] == pytest.approx(loss, rel=1e-5), f"1 -> 2 ranks, step {step}"

@@ -103,7 +103,11 @@ def runs(corpora, tmp_path_factory):
     base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
     job.data_module(corpora, str(root / "cache")).setup("fit")  # the index caches, built once before the ranks
     step_4 = f"ckpt/epoch=0-step={KILL_AFTER}.ckpt"
-    before = two_ranks_killed_and_resumed("lightning_job.py", base, root)
+    one_rank = root / "one_rank"
+    one_at_two = ["--out", str(root / "one_at_two"), "--resume-from", str(one_rank / step_4)]
+    before = two_ranks_killed_and_resumed(
+        "lightning_job.py", base, root, then=[one_at_two], meanwhile=lambda: job.main([*base, "--out", str(one_rank)])
+    )
     job.main([*base, "--out", str(root / "two_at_one"), "--resume-from", str(root / "killed" / step_4)])
     return root, before
 
@@ -159,3 +163,16 @@ def test_a_resume_at_another_number_of_ranks_continues_the_global_order(runs, co
     assert sorted(two_at_one) == list(range(KILL_AFTER + 1, STEPS + 1))
     own = own_batches(corpora, root, 0, 1, KILL_AFTER * MBS * 2, STEPS - KILL_AFTER)
     np.testing.assert_array_equal(np.stack([two_at_one[s] for s in sorted(two_at_one)]), np.stack(own))
+
+
+@pytest.mark.slow
+def test_a_1_rank_checkpoint_resumed_by_2_ranks_continues_the_global_order(runs, corpora):
+    """A 1-rank run's checkpoint at step 4 (8 samples) resumed by 2 ranks: each rank trains corpusforge's 2-rank
+    loader's batches from the 8th sample on, the global order continued, nothing trained twice or skipped."""
+    root, _ = runs
+    resumed = rank_records(root / "one_at_two")
+    for rank in range(2):
+        steps = sorted(resumed[rank])
+        assert steps == list(range(KILL_AFTER + 1, STEPS + 1)), f"rank {rank}'s steps"
+        own = own_batches(corpora, root, rank, 2, consumed=KILL_AFTER * MBS, steps=len(steps))
+        np.testing.assert_array_equal(np.stack([resumed[rank][s] for s in steps]), np.stack(own))
