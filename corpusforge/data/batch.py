@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corpusforge.jit import njit, ready, started
+from corpusforge.jit import njit
 
 if TYPE_CHECKING:
     from corpusforge.data.gpt_dataset import GPTDatasetConfig
@@ -95,15 +95,12 @@ def assemble(
             "ask for them); build the datasets with document_boundaries=True, or turn it off"
         )
     if not config.create_attention_mask:  # every field in one compiled pass, into one (4, B, S) block
-        # before numba has started in the process (a job's first batch read without a memory map: GPTDataset's
-        # _before_numba), numpy: the same block, without waiting ~1 s for numba's start-up
-        fill = fill_fields if ready(fill_fields) or started() else fill_fields_numpy
         if as_torch and raw.dataset_id is None:
             block = torch_block(b, s, pin_memory)
-            fill(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
+            fill_fields(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
             return torch_fields(block)
         array = np.empty((4, b, s), np.int32)
-        fill(raw.text, kernel_options(config, raw.maybe_padded), array)
+        fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
         batch = batch_fields(array)
         if raw.dataset_id is not None:
             batch["dataset_id"] = raw.dataset_id

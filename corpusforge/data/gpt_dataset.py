@@ -776,16 +776,6 @@ _NUMPY_SAMPLES = 64
 _NUMPY_SERVED = [0]
 
 
-def _before_numba(kernel: Any, samples: int) -> bool:
-    """Whether `samples` more samples come from numpy or a kernel's Python function: numba has not started in this
-    process (nor loaded `kernel`), and the process has read fewer than _NUMPY_SAMPLES samples so (counted here).
-    Past them the kernels load: a process that reads more repays numba's start-up (~0.6-1.5 s)."""
-    if _NUMPY_SERVED[0] < _NUMPY_SAMPLES and not (ready(kernel) or started()):
-        _NUMPY_SERVED[0] += samples
-        return True
-    return False
-
-
 def _gather_numpy(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
     text, block, slot
@@ -1143,7 +1133,8 @@ class GPTDataset:
         started in it, come from numpy (_gather_numpy): a job's first batch or a user's ds[0] does not wait ~1 s for
         numba's start-up; past _NUMPY_SAMPLES samples the kernel is loaded (the loader loads it before it forks)."""
         args = self._direct_args()
-        if args is not None and _before_numba(_gather, len(ids)):
+        if args is not None and _NUMPY_SERVED[0] < _NUMPY_SAMPLES and not (ready(_gather) or started()):
+            _NUMPY_SERVED[0] += len(ids)
             return _gather_numpy(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
         return args is not None and _gather(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
 
@@ -1312,12 +1303,9 @@ class GPTDataset:
         )
 
     def _pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces). A process's first
-        samples (_before_numba) take the kernel's Python function, a loop over a few pieces: reads without a memory
-        map (O_DIRECT, pread, remote) then start no numba for a job's first batch, as _read_fields's numpy twin."""
+        """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces)."""
         indexed, extra = self.indexed, self.config.extra
-        kernel = _sample_pieces.py_func if _before_numba(_sample_pieces, len(ids)) else _sample_pieces
-        return kernel(
+        return _sample_pieces(
             self.shuffle_index[ids].astype(np.int64),
             self.sample_index,
             self.document_index,

@@ -57,37 +57,3 @@ print(json.dumps({{"started": jit.started(), "rows": rows}}))
     train.load_kernels()
     for i, row in enumerate(fresh["rows"]):
         assert row == {k: v.tolist() for k, v in train[i].items()}
-
-
-@pytest.mark.parametrize("read_mode", ["pread", "direct"])
-def test_first_batch_read_without_a_map_does_not_start_numba(corpora, tmp_path, read_mode):
-    """Reads without a memory map (O_DIRECT, which "auto" picks for a cold .bin, and pread) in a new interpreter: a
-    blend's first batch, get_batch and ds[i], come from the kernels' Python functions and numpy (numba not started),
-    the same fields as a process that has numba; past the first samples the kernels load."""
-    blend = [1, corpora[0], 2, corpora[1]]  # uint16 with empty documents, int32
-    code = f"""
-import json
-from corpusforge import jit
-from corpusforge.data import build_gpt_datasets
-from corpusforge.storage import StorageConfig
-train = build_gpt_datasets({blend!r}, 64, "1", 1234, (300, 0, 0), {str(tmp_path / "fresh")!r},
-                           StorageConfig(read_mode={read_mode!r}), eod_token_id=0, eod_mask_loss=True)[0]
-batch = {{k: v.tolist() for k, v in train.get_batch(list(range(8))).items()}}
-rows = [{{k: v.tolist() for k, v in train[i].items()}} for i in range(8, 12)]
-first = jit.started()
-for start in (12, 112):  # a call that begins within the first samples is served whole as they are
-    train.get_batch(list(range(start, start + 100)))
-print(json.dumps({{"started": first, "later": jit.started(), "batch": batch, "rows": rows}}))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path.cwd())
-    assert out.returncode == 0, out.stderr[-3000:]
-    fresh = json.loads(out.stdout.strip().splitlines()[-1])
-    assert fresh["started"] is False and fresh["later"] is True
-    from corpusforge.storage import StorageConfig
-
-    train = build_gpt_datasets(blend, 64, "1", 1234, (300, 0, 0), tmp_path / "here", StorageConfig(read_mode=read_mode),
-                               eod_token_id=0, eod_mask_loss=True)[0]  # fmt: skip
-    train.load_kernels()
-    assert fresh["batch"] == {k: v.tolist() for k, v in train.get_batch(list(range(8))).items()}
-    for i, row in enumerate(fresh["rows"], start=8):
-        assert row == {k: v.tolist() for k, v in train[i].items()}
