@@ -31,7 +31,6 @@ worker started with spawn reopens them from their paths.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,13 +258,13 @@ def _gather(source: np.ndarray, path: str, starts: np.ndarray, lengths: np.ndarr
     lowest start: its page faults wait on the storage, and a watchdog then names the file (as for GPT samples)."""
     pos = starts[..., None] + np.arange(width, dtype=np.int64)  # (..., width)
     real = np.arange(width) < lengths[..., None]
-    slot, itemsize = readwatch.slot_for(path), source.dtype.itemsize
+    itemsize = source.dtype.itemsize
     lowest = int(starts.min()) * itemsize if starts.size else 0
-    began = readwatch.mark_begin(slot, lowest, int(lengths.sum()) * itemsize, time.monotonic_ns())
+    began = readwatch.begin(path, lowest, int(lengths.sum()) * itemsize)
     try:
         out = source[np.clip(pos, 0, max(len(source) - 1, 0))]
     finally:
-        readwatch.mark_end(slot, began, time.monotonic_ns())
+        readwatch.end(began)
     out[~real] = 0
     return out
 
