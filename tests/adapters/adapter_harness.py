@@ -73,10 +73,19 @@ def record_loss(out: Path, step: int, loss: float) -> None:
     save_npy_atomic(Path(out) / f"loss-{step:04d}.npy", np.float64(loss), durable=False)
 
 
-def record_reads(out: Path, ids: list[int]) -> None:
-    """Keep the sample ids a job read, in order (one file per run)."""
+def record_read(out: Path, ids: list[int]) -> None:
+    """Add the sample ids of one read to those a job read: a line "PID ID ID ..." appended to out/reads.txt by
+    whichever process reads (DataLoader workers are processes of their own; one short write, so the lines of two
+    workers do not mix)."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    save_npy_atomic(Path(out) / "reads.npy", np.asarray(ids, dtype=np.int64), durable=False)
+    with open(Path(out) / "reads.txt", "a") as f:
+        f.write(" ".join(str(int(i)) for i in [os.getpid(), *ids]) + "\n")
+
+
+def reads_of(out: Path) -> list[tuple[int, list[int]]]:
+    """The reads record_read kept under `out`, in the order they were written: (the reading process, its ids)."""
+    lines = (Path(out) / "reads.txt").read_text().splitlines()
+    return [(int(pid), [int(i) for i in ids]) for pid, *ids in (line.split() for line in lines)]
 
 
 def run_in_turn(main, argv: list[str]) -> None:
@@ -98,9 +107,13 @@ def run_in_turn(main, argv: list[str]) -> None:
 
 
 def block_until_killed(marker: Path) -> None:
-    """Tell the test the checkpoint is written (the marker holds this process's pid), then wait for SIGKILL."""
+    """Tell the test the checkpoint is written (the marker holds this process's pid, then those of its children:
+    its DataLoader workers, fetching ahead), then wait for SIGKILL."""
+    import psutil
+
     Path(marker).parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(marker, str(os.getpid()).encode(), durable=False)
+    pids = [os.getpid(), *(child.pid for child in psutil.Process().children())]
+    write_bytes_atomic(marker, " ".join(map(str, pids)).encode(), durable=False)
     while True:
         time.sleep(1)
 
@@ -144,9 +157,15 @@ def finish_job(proc: subprocess.Popen, log: Path, timeout: float) -> None:
     assert proc.returncode == 0, f"job exit {proc.returncode}: {Path(log).read_text()[-4000:]}"
 
 
+def marked_workers(marker: Path) -> list[int]:
+    """The pids of the processes a job's rank had started (its DataLoader workers) when it wrote `marker`."""
+    return [int(pid) for pid in Path(marker).read_text().split()[1:]]
+
+
 def kill_ranks_at_markers(proc: subprocess.Popen, markers: list[Path], log: Path, timeout: float = 180) -> None:
     """SIGKILL every rank of the torchrun job `proc` once each has written its marker (its pid, after its part of
-    the checkpoint), as a node failure would; torchrun then ends (fail if it ends or stalls before)."""
+    the checkpoint), as a node failure would; torchrun then ends (fail if it ends or stalls before), and so must the
+    ranks' DataLoader workers, within 30 s (torch's own look for a dead parent every 5 s)."""
     deadline = time.monotonic() + timeout
     try:
         while not all(Path(m).exists() for m in markers):
@@ -157,13 +176,27 @@ def kill_ranks_at_markers(proc: subprocess.Popen, markers: list[Path], log: Path
                 raise AssertionError(f"no checkpoint markers after {timeout} s: {tail}")
             time.sleep(0.05)
         for marker in markers:
-            os.kill(int(Path(marker).read_text()), signal.SIGKILL)
+            os.kill(int(Path(marker).read_text().split()[0]), signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode != 0, "torchrun ended well after its ranks were killed"
+    workers = [pid for marker in markers for pid in marked_workers(marker)]
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), f"workers of killed ranks still run: {workers}"
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def kill_at_marker(proc: subprocess.Popen, marker: Path, log: Path, timeout: float = 180) -> None:
@@ -210,35 +243,41 @@ def killed_and_resumed(script: str, main, corpora: list[str], cache: Path, root:
 
 
 def rank_records(out: Path, kind: str = "step", world: int = 2) -> list[dict[int, np.ndarray]]:
-    """What each rank of a `world`-rank job under `out` recorded (record_step, record_loss, record_reads)."""
+    """What each rank of a `world`-rank job under `out` recorded (record_step, record_loss)."""
     return [recorded(out / f"rank-{r}", kind) for r in range(world)]
 
 
 def two_ranks_killed_and_resumed(
-    script: str, base: list[str], root: Path, then: list[list[str]] = (), meanwhile: Any = None
+    script: str,
+    base: list[str],
+    root: Path,
+    then: list[list[str]] = (),
+    meanwhile: Any = None,
+    killed_args: list[str] = (),
 ) -> list[dict[int, np.ndarray]]:
     """Each rank's steps before the kill: one 2-rank torchrun launch of `script` is SIGKILLed rank by rank after its
     checkpoint at KILL_AFTER (root/killed); a second launch runs, in turn, the uninterrupted 2-rank run
     (root/uninterrupted), once the first is killed and its records cleared the killed run resumed by 2 ranks, then
-    the runs `then` (arguments after `base`). `meanwhile()` runs here while the launches start, before the kill (what
-    a run of `then` needs: a checkpoint of a 1-rank run). Two launches rather than more: each costs several seconds
-    of CPU a rank in imports."""
+    the runs `then` (arguments after `base`). `killed_args` go to the killed run and its resume only (DataLoader
+    workers: the uninterrupted run reads without, so the two ways of reading are compared). `meanwhile()` runs here
+    while the launches start, before the kill (what a run of `then` needs: a checkpoint of a 1-rank run). Two
+    launches rather than more: each costs several seconds of CPU a rank in imports."""
     killed, resume_now = root / "killed", root / "killed-and-cleared"
     (root / "turns.json").write_text(json.dumps([
         [*base, "--out", str(root / "uninterrupted")],
-        [*base, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+        [*base, *killed_args, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
         *([*base, *run] for run in then),
     ]))  # fmt: skip
     logs = root / "killed.log", root / "turns.log"
-    to_kill = start_job(torchrun_job(script, 2, *base, "--out", str(killed), "--block-after", str(KILL_AFTER)),
-                        logs[0])  # fmt: skip
+    killed_run = [*base, *killed_args, "--out", str(killed), "--block-after", str(KILL_AFTER)]
+    to_kill = start_job(torchrun_job(script, 2, *killed_run), logs[0])
     turns = start_job(torchrun_job(script, 2, "--runs", str(root / "turns.json")), logs[1])
     try:
         if meanwhile is not None:
             meanwhile()
         kill_ranks_at_markers(to_kill, [killed / f"rank-{r}" / "checkpointed" for r in range(2)], logs[0])
         before = rank_records(killed)
-        for path in killed.glob("rank-*/*.npy"):
+        for path in [*killed.glob("rank-*/*.npy"), *killed.glob("rank-*/reads.txt")]:  # its records, not markers
             path.unlink()
         resume_now.touch()
         finish_job(turns, logs[1], timeout=300)

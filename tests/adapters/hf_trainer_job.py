@@ -1,9 +1,10 @@
 """A few CPU steps of a tiny Llama with the real transformers.Trainer on corpusforge's samples (TrainerSamples),
-recording each step's batch as the model receives it (per rank), the ids each rank reads, and the logged loss;
-checkpoints every SAVE_EVERY steps. Under torchrun, each process is a data-parallel rank (DDP on gloo).
+recording each step's batch as the model receives it (per rank), the ids each rank reads (in its DataLoader
+workers too), and the logged loss; checkpoints every SAVE_EVERY steps. Under torchrun, each process is a
+data-parallel rank (DDP on gloo).
 
     python hf_trainer_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume | --resume-from CKPT]
-        [--batch B]
+        [--batch B] [--workers N]
     torchrun --nproc-per-node 2 hf_trainer_job.py --runs RUNS.json    (several runs, one after another)
 """
 
@@ -26,7 +27,7 @@ from adapter_harness import (  # noqa: E402
     job_arguments,
     rank_dir,
     record_loss,
-    record_reads,
+    record_read,
     record_step,
     run_in_turn,
 )
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume-from", help="a checkpoint directory of another run to resume from")
     p.add_argument("--batch", type=int, default=MBS, help="per_device_train_batch_size")
     p.add_argument("--seed", type=int, default=5, help="the dataset's")
+    p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
     a = p.parse_args(argv)
 
     import torch
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = TrainingArguments(
         output_dir=str(out / "run"), per_device_train_batch_size=a.batch, max_steps=STEPS, save_strategy="steps",
         save_steps=SAVE_EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, learning_rate=1e-3,
-        disable_tqdm=True, **TRAINING_ARGUMENTS,
+        disable_tqdm=True, dataloader_num_workers=a.workers, **TRAINING_ARGUMENTS,
     )  # fmt: skip
     check_training_arguments(args)
 
@@ -77,12 +79,11 @@ def main(argv: list[str] | None = None) -> None:
             if state.global_step == a.block_after:
                 block_until_killed(mine / "checkpointed")
 
-    class Reads(TrainerSamples):  # the ids this rank reads, in order (a resume must not read the trained ones)
+    class Reads(TrainerSamples):  # the ids this rank reads (a resume must not read the trained ones)
         def __getitems__(self, ids):
-            reads.extend(ids)
+            record_read(mine, ids)
             return super().__getitems__(ids)
 
-    reads: list[int] = []
     samples = Reads(train_dataset(a.corpora.split(","), a.cache, a.seed))
     trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collate_rows,
                       callbacks=[Record(), LoaderStateCallback()])  # fmt: skip
@@ -97,7 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     model.register_forward_pre_hook(record, with_kwargs=True)
     model.register_forward_hook(loss, with_kwargs=True)
     trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
-    record_reads(mine, reads)
 
 
 if __name__ == "__main__":

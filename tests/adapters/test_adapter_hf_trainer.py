@@ -7,6 +7,8 @@ ranks continues the global order where a step keeps its number of samples, and i
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from adapter_harness import (
@@ -16,7 +18,9 @@ from adapter_harness import (
     assert_resumed_exactly,
     killed_and_resumed,
     make_corpora,
+    marked_workers,
     rank_records,
+    reads_of,
     recorded,
     two_ranks_killed_and_resumed,
 )
@@ -147,8 +151,9 @@ def test_killed_after_checkpoint_resumes_with_the_next_batch(tmp_path, corpora):
         np.testing.assert_array_equal(uninterrupted[step][1], batch["labels"], err_msg=f"step {step} targets")
 
 
-# 2 ranks under torchrun: one launch of 2 ranks is SIGKILLed after its checkpoint at KILL_AFTER; a second runs, in
-# turn, the uninterrupted 2-rank run and the killed run resumed by 2 ranks (once the first launch is killed). The
+# 2 ranks under torchrun: one launch of 2 ranks (2 DataLoader workers each) is SIGKILLed after its checkpoint at
+# KILL_AFTER; a second runs, in turn, the uninterrupted 2-rank run (no workers) and the killed run resumed by 2 ranks
+# (2 workers each, once the first launch is killed). The
 # 2-rank checkpoint is resumed by 1 rank here. (Each launch costs ~7 s of CPU a rank to import transformers' Trainer:
 # the resume at another number of ranks is tested 2 -> 1 only, in this process.)
 
@@ -166,6 +171,7 @@ def runs(corpora, tmp_path_factory):
         root,
         then=[one_at_two],
         meanwhile=lambda: job.main([*base, "--out", str(one_rank), "--batch", "4"]),
+        killed_args=["--workers", "2"],  # the killed run and its resume read with 2 DataLoader workers a rank
     )
     return root, base, before
 
@@ -193,18 +199,20 @@ def test_two_ranks_read_the_loaders_global_order(runs, corpora):
         for step, own in enumerate(own_rank_batches(train, rank), start=1):
             np.testing.assert_array_equal(steps[rank][step][0], own["tokens"], err_msg=f"rank {rank} step {step}")
             np.testing.assert_array_equal(steps[rank][step][1], own["labels"], err_msg=f"rank {rank} step {step}")
-        reads = np.load(root / "uninterrupted" / f"rank-{rank}" / "reads.npy").tolist()
-        assert reads == own_rank_ids(train, rank), f"rank {rank}'s reads"
-    both = np.concatenate([np.load(root / "uninterrupted" / f"rank-{r}" / "reads.npy") for r in range(2)])
-    assert sorted(both.tolist()) == list(range(STEPS * MBS * 2))
+        reads = reads_of(root / "uninterrupted" / f"rank-{rank}")
+        assert [i for _, ids in reads for i in ids] == own_rank_ids(train, rank), f"rank {rank}'s reads"
+        assert len({pid for pid, _ in reads}) == 1, "read by the rank itself, without workers"
+    both = [i for r in range(2) for _, ids in reads_of(root / "uninterrupted" / f"rank-{r}") for i in ids]
+    assert sorted(both) == list(range(STEPS * MBS * 2))
 
 
 @pytest.mark.slow
 def test_two_ranks_killed_resume_with_the_next_global_batch(runs, corpora):
-    """Both ranks SIGKILLed after the checkpoint at KILL_AFTER (their ranks blocked there, the next batches
-    fetched); resumed by 2 ranks with resume_from_checkpoint, each trains exactly the uninterrupted run's next
-    batches with the uninterrupted run's losses, bit for bit, and reads only their samples (the trained ones are
-    skipped without a read)."""
+    """Both ranks, reading with dataloader_num_workers=2, SIGKILLed after the checkpoint at KILL_AFTER (their ranks
+    blocked there, their 2 workers each fetching ahead; the workers end too); resumed by 2 ranks of 2 workers with
+    resume_from_checkpoint, each trains exactly the uninterrupted run's (no workers) next batches with its losses,
+    bit for bit, and its workers read only those samples (the trained ones are skipped without a read). The
+    checkpoint counts the samples trained, not those fetched."""
     root, _, before = runs
     train = job.train_dataset(corpora, str(root / "cache"))
     uninterrupted, after = rank_records(root / "uninterrupted"), rank_records(root / "killed")
@@ -214,8 +222,15 @@ def test_two_ranks_killed_resume_with_the_next_global_batch(runs, corpora):
         assert sorted(resumed_losses[rank]) == list(range(KILL_AFTER + 1, STEPS + 1))
         for step, loss in resumed_losses[rank].items():
             assert loss == losses[rank][step], f"rank {rank} step {step}: loss {loss} != {losses[rank][step]}"
-        reads = np.load(root / "killed" / f"rank-{rank}" / "reads.npy").tolist()
-        assert reads == own_rank_ids(train, rank, KILL_AFTER * MBS * 2, STEPS - KILL_AFTER), f"rank {rank}'s reads"
+        # read by the rank's 2 DataLoader workers, a micro-batch each in turn (their lines in any order)
+        reads = reads_of(root / "killed" / f"rank-{rank}")
+        expected = own_rank_ids(train, rank, KILL_AFTER * MBS * 2, STEPS - KILL_AFTER)
+        assert sorted(ids for _, ids in reads) == [expected[k : k + MBS] for k in range(0, len(expected), MBS)]
+        assert len({pid for pid, _ in reads}) == 2, f"rank {rank}: read by {len({p for p, _ in reads})} processes"
+        saved = json.loads((root / "killed" / "run" / f"checkpoint-{KILL_AFTER}" / "trainer_state.json").read_text())
+        loader_state = saved["stateful_callbacks"]["LoaderStateCallback"]["args"]["loader_state"]
+        assert loader_state["consumed_samples"] == KILL_AFTER * MBS * 2, "the checkpoint counts the samples trained"
+        assert len(marked_workers(root / "killed" / f"rank-{rank}" / "checkpointed")) == 2, "workers at the kill"
 
 
 def global_steps(per_rank: list[dict]) -> dict[int, np.ndarray]:

@@ -16,6 +16,7 @@ from adapter_harness import (
     assert_resumed_exactly,
     killed_and_resumed,
     make_corpora,
+    marked_workers,
     rank_records,
     recorded,
     two_ranks_killed_and_resumed,
@@ -91,8 +92,9 @@ def test_a_module_overriding_the_counting_hook_is_refused(tmp_path, corpora):
         trainer.fit(Overrides(), datamodule=job.data_module(corpora, str(tmp_path)))
 
 
-# 2 ranks under torchrun: one launch of 2 ranks is SIGKILLed after its checkpoint at KILL_AFTER; a second runs, in
-# turn, the uninterrupted 2-rank run and the killed run resumed by 2 ranks (once the first launch is killed). The
+# 2 ranks under torchrun: one launch of 2 ranks (2 DataLoader workers each) is SIGKILLed after its checkpoint at
+# KILL_AFTER; a second runs, in turn, the uninterrupted 2-rank run (no workers) and the killed run resumed by 2 ranks
+# (2 workers each, once the first launch is killed). The
 # 2-rank checkpoint is resumed by 1 rank here. (Each launch costs ~7 s of CPU a rank to import Lightning: the resume
 # at another number of ranks is tested 2 -> 1 only, in this process.)
 
@@ -106,7 +108,12 @@ def runs(corpora, tmp_path_factory):
     one_rank = root / "one_rank"
     one_at_two = ["--out", str(root / "one_at_two"), "--resume-from", str(one_rank / step_4)]
     before = two_ranks_killed_and_resumed(
-        "lightning_job.py", base, root, then=[one_at_two], meanwhile=lambda: job.main([*base, "--out", str(one_rank)])
+        "lightning_job.py",
+        base,
+        root,
+        then=[one_at_two],
+        meanwhile=lambda: job.main([*base, "--out", str(one_rank)]),
+        killed_args=["--workers", "2"],  # the killed run and its resume read with 2 DataLoader workers a rank
     )
     job.main([*base, "--out", str(root / "two_at_one"), "--resume-from", str(root / "killed" / step_4)])
     return root, before
@@ -137,9 +144,10 @@ def test_two_ranks_train_the_loaders_batches(runs, corpora):
 
 @pytest.mark.slow
 def test_two_ranks_killed_resume_with_the_next_global_batch(runs):
-    """Both ranks SIGKILLed after the checkpoint at KILL_AFTER (the next batch already fetched); resumed with
-    ckpt_path, each trains exactly the uninterrupted run's next batches with its losses, bit for bit. The checkpoint
-    (written by rank 0) counts the samples both ranks trained."""
+    """Both ranks, reading with num_workers=2, SIGKILLed after the checkpoint at KILL_AFTER (the next batch fetched,
+    their 2 workers each fetching more; the workers end too); resumed with ckpt_path by 2 ranks of 2 workers, each
+    trains exactly the uninterrupted run's (no workers) next batches with its losses, bit for bit. The checkpoint
+    (written by rank 0) counts the samples both ranks trained, not those fetched."""
     import torch
 
     root, before = runs
@@ -152,6 +160,8 @@ def test_two_ranks_killed_resume_with_the_next_global_batch(runs):
             assert loss == losses[rank][step], f"rank {rank} step {step}: loss {loss} != {losses[rank][step]}"
     saved = torch.load(root / "killed" / "ckpt" / f"epoch=0-step={KILL_AFTER}.ckpt", weights_only=True)
     assert saved["CorpusforgeDataModule"]["consumed_samples"] == KILL_AFTER * MBS * 2
+    for rank in range(2):
+        assert len(marked_workers(root / "killed" / f"rank-{rank}" / "checkpointed")) == 2, "workers at the kill"
 
 
 @pytest.mark.slow
