@@ -150,6 +150,7 @@ def test_killed_leader_leaves_no_one_waiting_and_no_half_share(blend, reference,
 FIRST_BATCH = """
 import json, sys
 import numpy as np
+import torch  # imported before the first batch, as a job has it: numba loads beside that batch (jit.py)
 from corpusforge import jit
 from corpusforge.data import build_gpt_datasets
 from corpusforge.data.batch import assemble
