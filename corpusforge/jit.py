@@ -11,6 +11,14 @@ one ~5-10 ms: code that numpy runs in a few milliseconds at the sizes users usua
 dataset) calls a kernel only where the work repays that, or once numba has started (a process that has read
 samples).
 
+`load_in_background(load)` runs `load` (calls that load kernels) on one thread of the process, so that a job's first
+batches come from numpy while numba starts beside them, and no batch waits for it. While such a load is in flight,
+`ready` and `started` say False to every other thread: their callers keep to numpy until every kernel of the load is
+there (a kernel called meanwhile would wait on numba's compiler lock, or start a compile of its own). `compiling()`
+marks calls whose kernels must be loaded now (a loader's `load_kernels`, the background load itself): there `started`
+says True. `finish_loading()` waits for the load; it is also done before every os.fork(), so that no child inherits
+numba's compiler lock or an import lock held by a thread it does not have.
+
 Example:
     >>> @njit(nogil=True)
     ... def add(a, b):
@@ -21,7 +29,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
 
 import numba
 
@@ -48,6 +59,8 @@ def ready(kernel: Callable) -> bool:
         >>> ready(add)
         False
     """
+    if _LOADER is not None and not _compiling_here():  # a load is in flight on another thread: not yet
+        return False
     return bool(kernel.overloads)  # .signatures would build a list: this is asked per dataset of a blend
 
 
@@ -60,9 +73,113 @@ def started() -> bool:
         False
     """
     global _STARTED
+    if _compiling_here():
+        return True
+    if _LOADER is not None:  # a load is in flight on another thread: keep to numpy until it is done
+        return False
     if not _STARTED:  # once started, always: no scan of the kernels per call then
         _STARTED = any(kernel.overloads for kernel in _KERNELS)
     return _STARTED
 
 
 _STARTED = False
+
+
+# The background load: its thread (None when no load is in flight), what it has still to run, what failed in it.
+_LOADER: threading.Thread | None = None
+_QUEUE: list[Callable[[], None]] = []
+_ERRORS: list[BaseException] = []
+_LOCK = threading.Lock()
+_HERE = threading.local()  # .compiling: this thread calls the compiled kernels (compiling(), the loader thread)
+
+
+def _compiling_here() -> bool:
+    return getattr(_HERE, "compiling", False)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """In this block `started()` says True on this thread: calls that choose between a kernel and its numpy twin
+    take the kernel, and so load it (what a `load_kernels` is for).
+
+    Example:
+        >>> with compiling():
+        ...     started()
+        True
+    """
+    before = _compiling_here()
+    _HERE.compiling = True
+    try:
+        yield
+    finally:
+        _HERE.compiling = before
+
+
+def load_in_background(load: Callable[[], None]) -> None:
+    """Run `load` on this process's kernel-loading thread, under `compiling()`, after the loads asked before it;
+    return at once. Until every load asked is done, `ready` and `started` say False on the other threads.
+
+    Example:
+        >>> load_in_background(dataset.load_kernels)
+    """
+    global _LOADER
+    with _LOCK:
+        _QUEUE.append(load)
+        if _LOADER is None:
+            # Not a daemon: interpreter shutdown waits for it rather than stopping it inside LLVM, whose static
+            # destructors would then run under a thread still in it.
+            _LOADER = threading.Thread(target=_load_queued, name="corpusforge-kernels")
+            _LOADER.start()
+
+
+def _load_queued() -> None:
+    global _LOADER
+    _HERE.compiling = True
+    while True:
+        with _LOCK:
+            if not _QUEUE:  # the load is over for the other threads at this very point, under the lock
+                _LOADER = None
+                return
+            load = _QUEUE.pop(0)
+        try:
+            load()
+        except BaseException as error:  # kept for finish_loading's caller: a thread's error is printed, not raised
+            _ERRORS.append(error)
+
+
+def loading() -> bool:
+    """Whether a background load is in flight.
+
+    Example:
+        >>> loading()
+        False
+    """
+    return _LOADER is not None
+
+
+def finish_loading() -> None:
+    """Wait until no background load is in flight (at once on the loader's own thread); raise what a load raised.
+
+    Example:
+        >>> finish_loading()
+    """
+    while (loader := _LOADER) is not None and loader is not threading.current_thread():
+        loader.join()
+    if _ERRORS and not _compiling_here():
+        raise _ERRORS.pop(0)
+
+
+def _before_fork() -> None:
+    # A child has only the forking thread: a loader thread's locks (numba's compiler lock, an import lock) would stay
+    # held there for good. Errors stay for the next finish_loading (an exception here would only be printed).
+    while (loader := _LOADER) is not None and loader is not threading.current_thread():
+        loader.join()
+
+
+def _after_fork_in_child() -> None:
+    global _LOADER, _LOCK
+    _LOADER, _LOCK = None, threading.Lock()
+    _QUEUE.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corpusforge.jit import njit
+from corpusforge.jit import njit, ready, started
 
 if TYPE_CHECKING:
     from corpusforge.data.gpt_dataset import GPTDatasetConfig
@@ -95,18 +95,21 @@ def assemble(
             "ask for them); build the datasets with document_boundaries=True, or turn it off"
         )
     if not config.create_attention_mask:  # every field in one compiled pass, into one (4, B, S) block
+        # numpy's twin until the kernels are loaded (a first batch read without a memory map: GPTDataset._pieces)
+        fill = fill_fields if _compiled(fill_fields) else fill_fields_numpy
         if as_torch and raw.dataset_id is None:
             block = torch_block(b, s, pin_memory)
-            fill_fields(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
+            fill(raw.text, kernel_options(config, raw.maybe_padded), block.numpy())
             return torch_fields(block)
         array = np.empty((4, b, s), np.int32)
-        fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
+        fill(raw.text, kernel_options(config, raw.maybe_padded), array)
         batch = batch_fields(array)
         if raw.dataset_id is not None:
             batch["dataset_id"] = raw.dataset_id
         return to_torch(batch, pin_memory) if as_torch else batch
     fields = batch_fields(np.empty((4, b, s), np.int32))
-    _split_text(raw.text, config.extra, config.pad, fields["tokens"], fields["labels"])
+    split = _split_text if _compiled(_split_text) else _split_text_numpy
+    split(raw.text, config.extra, config.pad, fields["tokens"], fields["labels"])
     batch = finish_batch(fields, config, raw.maybe_padded or not config.add_extra_token_to_sequence)
     if raw.dataset_id is not None:
         batch["dataset_id"] = raw.dataset_id
@@ -117,13 +120,15 @@ def _assemble_with_boundaries(raw: RawBatch, config: GPTDatasetConfig, as_torch:
     """assemble for a raw batch that carries document boundaries: the four fields, cu_seqlens and max_seqlen (in
     one storage as torch tensors), position ids restarting at each document."""
     b, s = raw.text.shape[0], raw.text.shape[1] - config.extra
+    compiled = _compiled(_fill_bounded)  # else the numpy twins (see assemble)
     if as_torch and raw.dataset_id is None:
         block = bounded_block(b, s, pin_memory)
-        _fill_bounded(raw.text, kernel_options(config, raw.maybe_padded), raw.boundaries, raw.max_seqlen, block.numpy())
+        fill = _fill_bounded if compiled else _fill_bounded_numpy
+        fill(raw.text, kernel_options(config, raw.maybe_padded), raw.boundaries, raw.max_seqlen, block.numpy())
         return bounded_fields(block, b, s)
     array = np.empty((4, b, s), np.int32)
-    fill_fields(raw.text, kernel_options(config, raw.maybe_padded), array)
-    reset_positions(raw.boundaries, array[3])
+    (fill_fields if compiled else fill_fields_numpy)(raw.text, kernel_options(config, raw.maybe_padded), array)
+    (reset_positions if compiled else reset_positions_numpy)(raw.boundaries, array[3])
     batch = {**batch_fields(array), "cu_seqlens": raw.cu_seqlens, "max_seqlen": raw.max_seqlen}
     if raw.dataset_id is not None:
         batch["dataset_id"] = raw.dataset_id
@@ -191,6 +196,41 @@ def _fill_bounded(text, options, boundaries, max_in, out) -> None:
         row[width:] = s
     flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)] = max_in
     reset_positions(boundaries, block[3])  # fill_fields wrote none (_POSITIONS_BY_DOCUMENT)
+
+
+def _compiled(kernel: Any) -> bool:
+    """Whether to call `kernel` rather than its numpy twin: numba has started in this process and no load is in
+    flight in the background (jit.py); until then a batch does not wait ~0.6-1 s for numba's start-up."""
+    return ready(kernel) or started()
+
+
+def _fill_bounded_numpy(text, options, boundaries, max_in, out) -> None:
+    """_fill_bounded in numpy: the same values in `out`."""
+    b, s = text.shape[0], text.shape[1] - int(options[_EXTRA])
+    flat = out.reshape(-1)
+    block = flat[: 4 * b * s].reshape((4, b, s))
+    fill_fields_numpy(text, options, block)
+    cu_out = flat[4 * b * s : 4 * b * s + b * (s + 1)].reshape((b, s + 1))
+    cu_out[:, : boundaries.shape[1]] = boundaries
+    cu_out[:, boundaries.shape[1] :] = s
+    flat[4 * b * s + b * (s + 1) : b * (5 * s + 2)] = max_in
+    reset_positions_numpy(boundaries, block[3])
+
+
+def reset_positions_numpy(cu_seqlens: np.ndarray, positions: np.ndarray) -> None:
+    """reset_positions in numpy: each position minus the start of its document, the last boundary at or before it.
+    Every row of cu_seqlens starts at 0 and ends with S (RawBatch.boundaries), so every position is written.
+
+    Example:
+        >>> p = np.zeros((1, 4), np.int32); reset_positions_numpy(np.array([[0, 3, 4, 4, 4]], np.int32), p); p.tolist()
+        [[0, 1, 2, 0]]
+    """
+    b, s = positions.shape
+    starts = np.zeros((b, s + 1), np.int32)
+    cu = np.minimum(cu_seqlens, s).astype(np.intp)
+    np.put_along_axis(starts, cu, cu.astype(np.int32), axis=1)  # a repeated boundary (an empty piece): one value
+    np.maximum.accumulate(starts, axis=1, out=starts)
+    positions[:] = _positions(s) - starts[:, :s]
 
 
 @njit(nogil=True)
@@ -400,6 +440,15 @@ def _split_text(text, extra, pad, tokens, labels) -> None:
             lab[c] = source[c + 1]
         if extra == 0:
             lab[s - 1] = pad
+
+
+def _split_text_numpy(text, extra, pad, tokens, labels) -> None:
+    """_split_text in numpy: the same tokens and labels."""
+    s = tokens.shape[1]
+    tokens[:] = text[:, :s]
+    labels[:, : s - 1 + extra] = text[:, 1 : s + extra]
+    if extra == 0:
+        labels[:, s - 1] = pad
 
 
 def finish_batch(fields: dict[str, np.ndarray], config: GPTDatasetConfig, maybe_padded: bool) -> dict[str, np.ndarray]:

@@ -65,6 +65,7 @@ from corpusforge.data.batch import (
     fill_fields_numpy,
     kernel_options,
     reset_positions,
+    reset_positions_numpy,
     torch_block,
     torch_fields,
 )
@@ -72,7 +73,7 @@ from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpi
 from corpusforge.data.mt19937 import seeded, shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
-from corpusforge.jit import njit, ready, started
+from corpusforge.jit import compiling, finish_loading, load_in_background, njit, ready, started
 from corpusforge.storage import readwatch
 from corpusforge.storage.readwatch_kernels import OFFSET, mark_begin, mark_end, monotonic_ns
 
@@ -770,33 +771,37 @@ def _gather_flat(
 # What _document_boundaries is given as `positions` when only the boundaries are wanted.
 _NO_POSITIONS = np.empty((0, 0), np.int32)
 
-# Samples a process reads through _gather_numpy before it loads _gather (~20-40 us a sample against ~5-15 us), and how
-# many it has read so.
-_NUMPY_SAMPLES = 64
-_NUMPY_SERVED = [0]
-
 
 def _gather_numpy(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
     text, block, slot
 ):  # fmt: skip
-    """_gather in numpy for a few samples (a slice copy per document piece, then batch.fill_fields_numpy): the same
-    block, the same return codes and the same marks in `slot`, without numba. `text` is unused (the rows are made
-    here)."""
-    if len(ids) and (ids.min() < 0 or ids.max() >= len(shuffle_index)):
-        return -1
+    """_gather in numpy, until the kernels are loaded (a slice copy per document piece, then
+    batch.fill_fields_numpy): the same block, the same return codes and the same marks in `slot`, without numba.
+    `text` is unused (the rows are made here)."""
     extra = int(options[0])
     text = np.empty((len(ids), block.shape[2] + extra), source.dtype)
+    status = _text_numpy(ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers,
+                         itemsize, source, extra, text, slot)  # fmt: skip
+    if status == 0:
+        fill_fields_numpy(text, options, block)
+    return status
+
+
+def _text_numpy(
+    ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, extra,
+    text, slot
+) -> int:  # fmt: skip
+    """_gather of the text alone (`block` without rows) in numpy: the same text, return codes and marks in `slot`."""
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(shuffle_index)):
+        return -1
     start = readwatch.mark_begin(slot, 0, text.size * itemsize, time.monotonic_ns())
     try:
         short = _copy_numpy(ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers,
                             itemsize, source, extra, text, slot)  # fmt: skip
     finally:
         readwatch.mark_end(slot, start, time.monotonic_ns())
-    if short:
-        return 1
-    fill_fields_numpy(text, options, block)
-    return 0
+    return int(short)
 
 
 def _copy_numpy(
@@ -1060,11 +1065,30 @@ class GPTDataset:
         """Compile (or load from numba's cache) the sample gather for these array types now, so that forked
         DataLoader workers inherit it instead of each paying for it on their first batch (the loader calls this
         before it starts workers; building the indices does not, so that a job's start does not wait for numba).
-        Once per process and kernel signature: a blend holds thousands of datasets of the same types.
+        A load already in flight in the background (_numpy_for_now) is waited for first. Once per process and
+        kernel signature: a blend holds thousands of datasets of the same types.
 
         Example:
             >>> ds.load_kernels()
         """
+        finish_loading()
+        with compiling():  # the calls below take the kernels, not the numpy twins that a fresh process serves with
+            self._load_kernels_now()
+
+    def _numpy_for_now(self, kernel: Any) -> bool:
+        """Whether a read takes `kernel`'s numpy twin (or its Python function): numba has not started in this
+        process, or kernels are loading in the background. The first such read asks for this dataset's kernels on
+        jit's loading thread: a job's first batch does not wait ~0.6-1 s for numba's start-up, the batches after it
+        take the kernels once every one is loaded, and none waits for the load."""
+        if ready(kernel) or started():
+            return False
+        if "_kernels_asked" not in self.__dict__:
+            self._kernels_asked = True
+            load_in_background(self._load_kernels_now)
+        return True
+
+    def _load_kernels_now(self) -> None:
+        """load_kernels' calls, on a thread under jit.compiling()."""
         self.indexed.load_kernels()
         indexed, direct = self.indexed, self._direct_args() is not None
         arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
@@ -1129,12 +1153,11 @@ class GPTDataset:
     def _read_fields(self, ids: np.ndarray, block: np.ndarray) -> bool:
         """Fill the (4, B, S) int32 `block` with the fields of samples `ids` in one compiled pass from the memory
         map; False where that path does not apply (see _direct_args) or a sample is short or out of range (the
-        caller then takes the general path, which pads or raises). A process's first samples, before numba has
-        started in it, come from numpy (_gather_numpy): a job's first batch or a user's ds[0] does not wait ~1 s for
-        numba's start-up; past _NUMPY_SAMPLES samples the kernel is loaded (the loader loads it before it forks)."""
+        caller then takes the general path, which pads or raises). A process's samples come from numpy
+        (_gather_numpy) until the kernels are loaded (_numpy_for_now): a job's first batch or a user's ds[0] does not
+        wait ~1 s for numba's start-up."""
         args = self._direct_args()
-        if args is not None and _NUMPY_SERVED[0] < _NUMPY_SAMPLES and not (ready(_gather) or started()):
-            _NUMPY_SERVED[0] += len(ids)
+        if args is not None and self._numpy_for_now(_gather):
             return _gather_numpy(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
         return args is not None and _gather(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
 
@@ -1156,7 +1179,7 @@ class GPTDataset:
         args = self._direct_args()
         if args is None:
             return False
-        if not (ready(_gather_bounded) or started()):  # the numpy twins, until numba has started (_read_fields)
+        if self._numpy_for_now(_gather_bounded):  # the numpy twins, until the kernels are loaded (_read_fields)
             if not self._read_fields(ids, block):
                 return False
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
@@ -1235,20 +1258,12 @@ class GPTDataset:
             path = self.__dict__.get("_mapped_path")
             if path is None:  # (a mask's config has no _direct_args to set it)
                 path = self._mapped_path = indexed.reader.memory_location
-            status = _gather(
-                ids,
-                self.shuffle_index,
-                self.sample_index,
-                self.document_index,
-                indexed.sequence_lengths,
-                indexed.sequence_pointers,
-                indexed.dtype.itemsize,
-                memory,
-                self._options(),
-                text,
-                _NO_FIELDS,
-                readwatch.slot_for(path),
-            )
+            arrays = (ids, self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths,
+                      indexed.sequence_pointers, indexed.dtype.itemsize, memory)  # fmt: skip
+            if self._numpy_for_now(_gather):  # until the kernels are loaded (_read_fields)
+                status = _text_numpy(*arrays, extra, text, readwatch.slot_for(path))
+            else:
+                status = _gather(*arrays, self._options(), text, _NO_FIELDS, readwatch.slot_for(path))
             if status == 0:
                 return self._with_boundaries(ids, RawBatch(text, maybe_padded=False))
         if status < 0 or len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
@@ -1279,17 +1294,20 @@ class GPTDataset:
 
     def _boundaries(self, ids: np.ndarray, cu_seqlens: np.ndarray, max_seqlen: np.ndarray, positions: np.ndarray):
         """Fill cu_seqlens (B, S + 1), max_seqlen (B,) and, given a row per sample, position ids (B, S) of samples
-        `ids` (_document_boundaries). Before numba has started in this process (a job's first samples come from
-        numpy: _read_fields), the kernel's Python function, so that the first sample does not wait for numba."""
-        kernel = _document_boundaries
-        if not (ready(kernel) or started()):
-            kernel = kernel.py_func
+        `ids` (_document_boundaries). Until the kernels are loaded (_numpy_for_now), the kernel's Python function
+        and reset_positions' numpy twin, so that the first samples do not wait for numba."""
         args = self.__dict__.get("_boundary_args")
         if args is None:
             indexed = self.indexed
             arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
             args = self._boundary_args = (*(np.asarray(a) for a in arrays), self.config.extra)
-        status = kernel(ids, *args, self.config.seq_length, cu_seqlens, max_seqlen, positions)
+        s = self.config.seq_length
+        if self._numpy_for_now(_document_boundaries):  # (the Python function would call reset_positions' kernel)
+            status = _document_boundaries.py_func(ids, *args, s, cu_seqlens, max_seqlen, _NO_POSITIONS)
+            if status == 0 and positions.shape[0] == len(ids):
+                reset_positions_numpy(cu_seqlens, positions)
+        else:
+            status = _document_boundaries(ids, *args, s, cu_seqlens, max_seqlen, positions)
         if status == -1:
             raise IndexError(f"sample ids out of range [0, {len(self)}): {ids.min()}..{ids.max()}")
         if status == -2:
@@ -1303,9 +1321,12 @@ class GPTDataset:
         )
 
     def _pieces(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces)."""
+        """(src, length, dest) of every document piece of samples `ids` (see _sample_pieces). Until the kernels are
+        loaded (_numpy_for_now), the kernel's Python function, a loop over a few pieces: a first batch read without a
+        memory map (O_DIRECT, pread, remote) starts no numba, as _read_fields' numpy twin."""
         indexed, extra = self.indexed, self.config.extra
-        return _sample_pieces(
+        kernel = _sample_pieces.py_func if self._numpy_for_now(_sample_pieces) else _sample_pieces
+        return kernel(
             self.shuffle_index[ids].astype(np.int64),
             self.sample_index,
             self.document_index,
@@ -1398,6 +1419,7 @@ class GPTDataset:
         state.pop("_direct", None)  # holds the token memory map: rebuilt where it is unpickled
         state.pop("_mapped_path", None)  # rebuilt with it
         state.pop("_boundary_args", None)  # views of the indices: rebuilt where it is unpickled
+        state.pop("_kernels_asked", None)  # a spawned worker starts without kernels: its first read asks for them
         for name in ("document_index", "sample_index", "shuffle_index"):
             # slices of a blend's shared indices travel as the shared arrays (once per pickle) and a position
             state[name] = None if "_shared" in state else picklable(state[name])

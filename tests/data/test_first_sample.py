@@ -1,4 +1,6 @@
-"""A process's first samples come from numpy, before numba has started in it: the same fields as the kernel's."""
+"""A process's first samples come from numpy while numba's kernels load on a thread beside them (jit.py): the same
+fields as the kernels', on every read mode, with document boundaries and in blends; a fork while the load is in
+flight waits for it, and load_kernels leaves the kernels loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ import numpy as np
 import pytest
 
 from corpusforge.data import build_gpt_datasets
-from corpusforge.data.gpt_dataset import _gather, _gather_numpy
+from corpusforge.data.batch import (
+    _fill_bounded,
+    _fill_bounded_numpy,
+    _split_text,
+    _split_text_numpy,
+    kernel_options,
+    reset_positions,
+    reset_positions_numpy,
+)
+from corpusforge.data.gpt_dataset import GPTDatasetConfig, _gather, _gather_numpy
 from corpusforge.storage import readwatch
 
 OPTIONS = [
@@ -40,20 +51,132 @@ def test_numpy_gather_equals_the_kernel(corpora, tmp_path, options):
         assert _gather_numpy(np.array([len(train)]), *args, block, slot) == -1
 
 
-def test_first_sample_of_a_fresh_process_does_not_start_numba(corpora, tmp_path):
-    """ds[0] .. ds[9] in a new interpreter: numba not started, and the same tensors as a process that has it."""
-    code = f"""
-import json, sys
+def random_boundaries(rng: np.random.Generator, b: int, s: int, columns: int) -> np.ndarray:
+    """(B, columns) cu_seqlens rows as RawBatch.boundaries holds them: 0, cuts (repeated ones: empty pieces), then S."""
+    cuts = np.sort(rng.integers(0, s + 1, (b, columns - 2)), axis=1)
+    return np.concatenate([np.zeros((b, 1), np.int64), cuts, np.full((b, 1), s)], axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("options", [*OPTIONS, {"document_boundaries": True, "pad_token_id": 7}])
+def test_numpy_twins_of_the_assemble_kernels_equal_them(options):
+    """reset_positions, _fill_bounded and _split_text against their numpy twins, on random text (pad and eod ids
+    among the tokens) and random boundaries (empty pieces, few columns and S + 1)."""
+    rng = np.random.default_rng(3)
+    config = GPTDatasetConfig(seq_length=48, eod_token_id=0, **options)
+    s = config.seq_length
+    text = rng.integers(0, 9, (6, s + config.extra)).astype(np.uint16)
+    for columns in (2, 5, s + 1):
+        cut = random_boundaries(rng, len(text), s, columns)
+        theirs, ours = (np.full((len(text), s), -5, np.int32) for _ in range(2))
+        reset_positions(cut, theirs)
+        reset_positions_numpy(cut, ours)
+        np.testing.assert_array_equal(ours, theirs)
+        max_in = rng.integers(1, s, len(text)).astype(np.int32)
+        theirs, ours = (np.full(len(text) * (5 * s + 2), -5, np.int32) for _ in range(2))
+        _fill_bounded(text, kernel_options(config, True), cut, max_in, theirs)
+        _fill_bounded_numpy(text, kernel_options(config, True), cut, max_in, ours)
+        np.testing.assert_array_equal(ours, theirs)
+    theirs, ours = (np.full((2, len(text), s), -5, np.int32) for _ in range(2))
+    _split_text(text, config.extra, config.pad, *theirs)
+    _split_text_numpy(text, config.extra, config.pad, *ours)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+# Every read mode, a blend of a uint16 dataset with empty documents and an int32 one, with and without document
+# boundaries (and an attention mask once): the ways a batch is read and assembled.
+CASES = {
+    f"{mode}{'-boundaries' * bounded}": (mode, {"document_boundaries": True} if bounded else {})
+    for mode in ("pread", "direct", "mmap-random")
+    for bounded in (False, True)
+}
+CASES["pread-mask"] = ("pread", {"create_attention_mask": True})
+
+FIRST_BATCHES = """
+import json, os, sys
+from numba.core.compiler_lock import global_compiler_lock
 from corpusforge import jit
-from corpusforge.data import build_gpt_datasets
-train = build_gpt_datasets({corpora[0]!r}, 64, "1", 1234, (300, 0, 0), {str(tmp_path / "fresh")!r}, eod_token_id=0)[0]
-rows = [{{k: v.tolist() for k, v in train[i].items()}} for i in range(10)]
-print(json.dumps({{"started": jit.started(), "rows": rows}}))
+from corpusforge.data import build_gpt_datasets, make_loader
+from corpusforge.data.batch import _fill_bounded, _split_text, fill_fields
+from corpusforge.data.gpt_dataset import _document_boundaries, _gather, _sample_pieces
+from corpusforge.storage import StorageConfig
+
+blend, cases, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+KERNELS = {"_sample_pieces": _sample_pieces, "fill_fields": fill_fields, "_gather": _gather,
+           "_document_boundaries": _document_boundaries, "_fill_bounded": _fill_bounded, "_split_text": _split_text}
+
+
+def build(name):
+    mode, options = cases[name]
+    return build_gpt_datasets(blend, 64, "1", 1234, (300, 0, 0), os.path.join(root, name),
+                              StorageConfig(read_mode=mode), eod_token_id=0, eod_mask_loss=True, **options)[0]
+
+
+def rows(ds):
+    batches = [ds.get_batch(list(range(8))), *(ds[i] for i in range(8, 12)), ds.__getitems__(list(range(12, 20)))]
+    return [{k: v.tolist() for k, v in batch.items()} for batch in batches]
+
+
+def dump(name, value):
+    with open(os.path.join(root, name + ".json"), "w") as f:
+        json.dump(value, f)
+
+
+def seen(worker):  # what a forked loader worker finds loaded
+    dump("worker", {"loading": jit.loading(), "pieces": jit.ready(_sample_pieces), "fields": jit.ready(fill_fields)})
+
+
+# A child forked before anything has started numba: the loader alone, with a forked worker (load_kernels before it).
+loader_pid = os.fork()
+if loader_pid == 0:
+    loader = make_loader(build("pread"), 4, num_workers=1, multiprocessing_context="fork", worker_init_fn=seen)
+    dump("loader", [{k: v.tolist() for k, v in b.items()} for _, b in zip(range(2), loader)])
+    os._exit(0)
+datasets = {name: build(name) for name in cases}
+# The background load waits on numba's compiler lock, held here: every batch below must come without it.
+global_compiler_lock.acquire()
+first = {name: rows(ds) for name, ds in datasets.items()}
+waited = {"loading": jit.loading(), "started": jit.started(), "any_ready": any(map(jit.ready, KERNELS.values()))}
+global_compiler_lock.release()
+# A fork while the load is in flight (it has just got the lock): the child finds it done, not half-held.
+waited["fork_in_flight"] = jit.loading()
+pid = os.fork()
+if pid == 0:
+    ready = all(map(jit.ready, KERNELS.values()))
+    dump("child", {"loading": jit.loading(), "ready": ready, "rows": rows(datasets["pread"])})
+    os._exit(0)
+statuses = [os.waitpid(p, 0)[1] for p in (pid, loader_pid)]
+jit.finish_loading()  # the background load alone, then load_kernels as a loader calls it before it forks
+after_load = {name: jit.ready(k) for name, k in KERNELS.items()}
+for ds in datasets.values():
+    ds.load_kernels()
+print(json.dumps({"waited": waited, "statuses": statuses, "after_load": after_load, "started": jit.started(),
+                  "first": first, "again": {name: rows(ds) for name, ds in datasets.items()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
-    fresh = json.loads(out.stdout.strip().splitlines()[-1])
-    assert fresh["started"] is False
-    train = build_gpt_datasets(corpora[0], 64, "1", 1234, (300, 0, 0), tmp_path / "here", eod_token_id=0)[0]
-    train.load_kernels()
-    for i, row in enumerate(fresh["rows"]):
-        assert row == {k: v.tolist() for k, v in train[i].items()}
+
+
+@pytest.mark.slow
+def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from_them(corpora, tmp_path):
+    """In a fresh process whose background load is held up (numba's compiler lock taken): the first batches of every
+    case (get_batch, ds[i], __getitems__) come anyway, with no kernel loaded; then the load ends (a fork meanwhile
+    waits for it: the child reads with the kernels), load_kernels leaves every kernel loaded, and the same batches,
+    read again through the kernels, are equal bit for bit. A child forked before numba started runs the loader with a
+    forked worker: load_kernels loads the kernels before that fork (the worker finds them), the same batches."""
+    blend = [1, corpora[0], 2, corpora[1]]  # uint16 with empty documents, int32
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", FIRST_BATCHES, json.dumps(blend), json.dumps(CASES), str(root)],
+                          capture_output=True, text=True, timeout=120, cwd=Path.cwd())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert fresh["waited"] == {"loading": True, "started": False, "any_ready": False, "fork_in_flight": True}
+    assert fresh["statuses"] == [0, 0] and fresh["started"] is True
+    assert all(fresh["after_load"].values()), fresh["after_load"]
+    for name in CASES:
+        assert fresh["first"][name] == fresh["again"][name], name
+    child = json.loads((root / "child.json").read_text())
+    assert child["loading"] is False and child["ready"] is True and child["rows"] == fresh["first"]["pread"]
+
+    worker = json.loads((root / "worker.json").read_text())
+    assert worker == {"loading": False, "pieces": True, "fields": True}, worker
+    first = fresh["first"]["pread"][0]  # get_batch of samples 0..7
+    for step, batch in enumerate(json.loads((root / "loader.json").read_text())):
+        assert batch == {k: v[step * 4 : step * 4 + 4] for k, v in first.items()}, step
