@@ -15,7 +15,9 @@ sampler batched, and accelerate's BatchSamplerShard handing micro-batch k to ran
 micro_batch_size x world consecutive samples, rank r taking the r-th slice; with drop_last, the last incomplete
 global batch is dropped, not filled from the start). A resume from a Trainer checkpoint skips global_step x
 gradient_accumulation_steps micro-batches on every rank (accelerate's skip_first_batches replays the sampler's ids
-without reading their samples), then continues with the next global batch.
+without reading their samples), then continues with the next global batch. accelerate's `split_batches` (a batch of
+per_device_train_batch_size cut into the ranks' slices) gives the same samples and resumes so too, with or without
+`dispatch_batches` (rank 0 reads and broadcasts); `dispatch_batches` alone does not resume so and is refused.
 
 That skip is counted in this run's micro-batches, so it lands on the samples trained only when a step takes as many
 samples as the checkpoint's did (per_device_train_batch_size x gradient_accumulation_steps x ranks); at another
@@ -62,8 +64,14 @@ TRAINING_ARGUMENTS: dict[str, Any] = {
 
 
 def check_training_arguments(args: Any) -> None:
-    """Refuse TrainingArguments under which the Trainer would not give corpusforge's samples, in one line naming
-    the option to set.
+    """Refuse TrainingArguments under which the Trainer would not give corpusforge's samples, or would not resume
+    on the sample after the last one trained, in one line naming the option to set.
+
+    accelerate's `split_batches` and `dispatch_batches` keep corpusforge's order (rank r takes the r-th slice of each
+    global batch of consecutive samples), but a resume skips global_step x gradient_accumulation_steps batches of
+    the loader accelerate wraps: one a step with split_batches (a global batch) or without either option (each
+    rank's shard), 1 of the `world` a step that `dispatch_batches` alone concatenates on rank 0, so such a resume
+    would train samples again (run: accelerate 1.15, 2 ranks, samples 8-15 again after step 4). That one is refused.
 
     Example:
         >>> check_training_arguments(TrainingArguments("run/", **TRAINING_ARGUMENTS))
@@ -72,6 +80,15 @@ def check_training_arguments(args: Any) -> None:
     if wrong:
         raise ArgumentError(f"TrainingArguments: set {', '.join(wrong)} (hf_trainer.TRAINING_ARGUMENTS) for the "
                             "Trainer to train on corpusforge's samples in their order")  # fmt: skip
+    config, world = getattr(args, "accelerator_config", None), getattr(args, "world_size", 1)
+    if getattr(config, "dispatch_batches", None) and not getattr(config, "split_batches", False) and world > 1:
+        batch = args.per_device_train_batch_size
+        raise ArgumentError(
+            f"TrainingArguments: accelerator_config dispatch_batches=True without split_batches under {world} ranks "
+            f"would resume from a checkpoint on samples already trained (rank 0 reads {world} batches a step, "
+            "accelerate's resume skips 1 a step); set split_batches=True too, with per_device_train_batch_size "
+            f"{batch * world} (the global batch, cut into the ranks' {batch}), or leave dispatch_batches unset"
+        )
 
 
 class TrainerSamples:
@@ -130,7 +147,8 @@ class LoaderStateCallback(TrainerCallback, ExportableState):
     """corpusforge's loader state in the Trainer's checkpoints (trainer_state.json, as an ExportableState callback),
     checked when a run resumes: a checkpoint of other data, or one whose steps took another number of samples than
     this run's (the Trainer would skip its own count of micro-batches, not the samples trained), is refused in one
-    line naming the checkpoint and the fix, before the first step. Needs train_dataset=TrainerSamples(...).
+    line naming the checkpoint and the fix, before the first step, as are TrainingArguments that
+    check_training_arguments refuses. Needs train_dataset=TrainerSamples(...).
 
     Example:
         >>> trainer = Trainer(..., train_dataset=TrainerSamples(train), callbacks=[LoaderStateCallback()])
@@ -151,6 +169,7 @@ class LoaderStateCallback(TrainerCallback, ExportableState):
         if not isinstance(samples, TrainerSamples):
             raise ArgumentError(f"LoaderStateCallback keeps the state of TrainerSamples; the Trainer's train_dataset "
                                 f"is a {type(samples).__name__}: pass TrainerSamples(dataset)")  # fmt: skip
+        check_training_arguments(args)  # also where the user did not call it: refused before the first step
         self.samples_per_step = samples_per_step(args)
         loader = make_loader(samples.dataset, 1)  # only for its state: the fingerprint, seed and count
         saved = _saved_loader_state(state, type(self).__name__)

@@ -10,6 +10,8 @@ targets of each (shift_labels); each data-parallel rank takes its slice of every
 loader gives it; resume_from_checkpoint skips exactly the samples trained. LoaderStateCallback keeps corpusforge's
 loader state in the checkpoint and refuses a resume that would not continue the global order (other data, or a step
 of another number of samples: per_device_train_batch_size x gradient_accumulation_steps x ranks).
+dataloader_num_workers and accelerator_config={"split_batches": True} (with or without "dispatch_batches") keep both;
+"dispatch_batches" alone over several ranks would resume on samples already trained, and is refused.
 """
 
 from __future__ import annotations

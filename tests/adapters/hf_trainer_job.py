@@ -4,7 +4,7 @@ workers too), and the logged loss; checkpoints every SAVE_EVERY steps. Under tor
 data-parallel rank (DDP on gloo).
 
     python hf_trainer_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume | --resume-from CKPT]
-        [--batch B] [--workers N]
+        [--batch B] [--workers N] [--accelerate split_batches,dispatch_batches] [--expect-refusal]
     torchrun --nproc-per-node 2 hf_trainer_job.py --runs RUNS.json    (several runs, one after another)
 """
 
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=MBS, help="per_device_train_batch_size")
     p.add_argument("--seed", type=int, default=5, help="the dataset's")
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
+    p.add_argument("--accelerate", default="", help="accelerator_config options to set True, comma-separated")
+    refusal = "write what check_training_arguments, then the Trainer (unchecked) refused to refusals.txt, a line each"
+    p.add_argument("--expect-refusal", action="store_true", help=refusal)
     a = p.parse_args(argv)
 
     import torch
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         check_training_arguments,
         collate_rows,
     )
+    from corpusforge.errors import ArgumentError
 
     out = Path(a.out)
     mine = rank_dir(out)
@@ -71,8 +75,15 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=str(out / "run"), per_device_train_batch_size=a.batch, max_steps=STEPS, save_strategy="steps",
         save_steps=SAVE_EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, learning_rate=1e-3,
         disable_tqdm=True, dataloader_num_workers=a.workers, **TRAINING_ARGUMENTS,
+        accelerator_config={option: True for option in a.accelerate.split(",") if option},
     )  # fmt: skip
-    check_training_arguments(args)
+    refusals = []
+    try:
+        check_training_arguments(args)
+    except ArgumentError as e:
+        if not a.expect_refusal:
+            raise
+        refusals.append(str(e))
 
     class Record(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -97,7 +108,15 @@ def main(argv: list[str] | None = None) -> None:
 
     model.register_forward_pre_hook(record, with_kwargs=True)
     model.register_forward_hook(loss, with_kwargs=True)
-    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    try:
+        trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    except ArgumentError as e:
+        if not a.expect_refusal:
+            raise
+        refusals.append(str(e))
+    if a.expect_refusal:
+        mine.mkdir(parents=True, exist_ok=True)
+        (mine / "refusals.txt").write_text("".join(f"{line}\n" for line in refusals))
 
 
 if __name__ == "__main__":

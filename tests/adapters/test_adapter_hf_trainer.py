@@ -158,6 +158,10 @@ def test_killed_after_checkpoint_resumes_with_the_next_batch(tmp_path, corpora):
 # the resume at another number of ranks is tested 2 -> 1 only, in this process.)
 
 
+ACCELERATE_OPTIONS = ["split_batches", "split_batches,dispatch_batches"]
+"""accelerator_config options under which the Trainer gives corpusforge's samples and resumes exactly."""
+
+
 @pytest.fixture(scope="module")
 def runs(corpora, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_two_ranks")
@@ -165,11 +169,19 @@ def runs(corpora, tmp_path_factory):
     job.train_dataset(corpora, str(root / "cache"))  # the index caches, built once before the ranks read them
     one_rank = root / "one_rank"  # 1 rank of twice the micro-batch: the same samples a step as 2 ranks
     one_at_two = ["--out", str(root / "one_at_two"), "--resume-from", str(one_rank / "run/checkpoint-4")]
+    killed_checkpoint = str(root / "killed" / "run" / f"checkpoint-{KILL_AFTER}")
+    accelerate = [  # a global batch of 4 cut in 2 a rank, from the start and from the SIGKILLed run's checkpoint
+        [*run, "--batch", "4", "--accelerate", options]
+        for options in ACCELERATE_OPTIONS
+        for run in (["--out", str(root / options)], ["--out", str(root / f"{options}-resumed"),
+                                                     "--resume-from", killed_checkpoint])
+    ]  # fmt: skip
+    refused = ["--accelerate", "dispatch_batches", "--out", str(root / "dispatch_alone"), "--expect-refusal"]
     before = two_ranks_killed_and_resumed(
         "hf_trainer_job.py",
         base,
         root,
-        then=[one_at_two],
+        then=[one_at_two, *accelerate, refused],
         meanwhile=lambda: job.main([*base, "--out", str(one_rank), "--batch", "4"]),
         killed_args=["--workers", "2"],  # the killed run and its resume read with 2 DataLoader workers a rank
     )
@@ -293,3 +305,49 @@ def test_a_1_rank_checkpoint_resumed_by_2_ranks_continues_the_global_order(runs)
     for step, loss in global_losses(losses).items():
         if step > KILL_AFTER:
             assert one_rank[step] == pytest.approx(loss, rel=1e-5), f"1 -> 2 ranks, step {step}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", ACCELERATE_OPTIONS)
+def test_split_and_dispatch_batches_train_the_loaders_batches_and_resume(runs, corpora, options):
+    """accelerator_config split_batches (each rank reads its half of a global batch of per_device_train_batch_size
+    4), and split_batches with dispatch_batches (rank 0 reads the global batch and broadcasts it; each rank trains
+    its half), under 2 ranks: each rank trains exactly corpusforge's 2-rank loader's batches with the uninterrupted
+    default run's losses, bit for bit; the default run's SIGKILLed checkpoint resumed so trains steps 5 and 6 as
+    the uninterrupted run does, reading only their samples."""
+    root, _, _ = runs
+    train = job.train_dataset(corpora, str(root / "cache"))
+    uninterrupted, losses = rank_records(root / "uninterrupted"), rank_records(root / "uninterrupted", "loss")
+    dispatched = "dispatch_batches" in options
+    for run, first in ((options, 1), (f"{options}-resumed", KILL_AFTER + 1)):
+        steps, run_losses = rank_records(root / run), rank_records(root / run, "loss")
+        for rank in range(2):
+            assert sorted(steps[rank]) == list(range(first, STEPS + 1)), f"{run}: rank {rank}'s steps"
+            for step, batch in steps[rank].items():
+                np.testing.assert_array_equal(batch, uninterrupted[rank][step], err_msg=f"{run}: rank {rank} {step}")
+                assert run_losses[rank][step] == losses[rank][step], f"{run}: rank {rank} step {step}'s loss"
+        consumed, left = (first - 1) * MBS * 2, STEPS - first + 1
+        if dispatched:  # rank 0 reads each global batch whole, rank 1 nothing
+            expected = [list(range(k, k + MBS * 2)) for k in range(consumed, consumed + left * MBS * 2, MBS * 2)]
+            assert [ids for _, ids in reads_of(root / run / "rank-0")] == expected, f"{run}: rank 0's reads"
+            assert not (root / run / "rank-1" / "reads.txt").exists(), f"{run}: rank 1 read samples"
+        else:
+            for rank in range(2):
+                reads = [i for _, ids in reads_of(root / run / f"rank-{rank}") for i in ids]
+                assert reads == own_rank_ids(train, rank, consumed, left), f"{run}: rank {rank}'s reads"
+
+
+@pytest.mark.slow
+def test_dispatch_batches_without_split_batches_is_refused(runs):
+    """dispatch_batches alone under 2 ranks gives the loader's samples, but a resume skips 1 of the 2 batches a step
+    rank 0 reads (accelerate 1.15: samples 8-15 trained again after step 4): check_training_arguments refuses it in
+    one line naming the option and the fix, and so does LoaderStateCallback where the check was not called, before
+    a step."""
+    root, _, _ = runs
+    for rank in range(2):
+        refusals = (root / "dispatch_alone" / f"rank-{rank}" / "refusals.txt").read_text().splitlines()
+        assert len(refusals) == 2, refusals  # check_training_arguments, then the Trainer's callback
+        for refusal in refusals:
+            assert "dispatch_batches=True without split_batches under 2 ranks" in refusal, refusal
+            assert "set split_batches=True too, with per_device_train_batch_size 4" in refusal, refusal
+    assert not any(rank_records(root / "dispatch_alone")), "steps trained before the refusal"
