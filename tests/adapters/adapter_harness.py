@@ -92,18 +92,20 @@ def run_in_turn(main, argv: list[str]) -> None:
     """`--runs FILE`: each argument list in FILE (JSON) run by `main` in this process, in order: one torchrun launch
     for several runs, since starting one (torch and the trainer's package imported by every rank) costs more than a
     tiny run. A list holding `--wait-for PATH` waits until PATH exists first (the test makes it once it has killed
-    the launch whose checkpoint that run resumes)."""
+    the launch whose checkpoint that run resumes). The other arguments in `argv` go to every run."""
     import json
 
-    with open(argv[argv.index("--runs") + 1]) as f:
+    at = argv.index("--runs")
+    with open(argv[at + 1]) as f:
         runs = json.load(f)
+    every = argv[:at] + argv[at + 2 :]
     for run in runs:
         if "--wait-for" in run:
             at = run.index("--wait-for")
             wait_for, run = Path(run[at + 1]), run[:at] + run[at + 2 :]
             while not wait_for.exists():
                 time.sleep(0.05)
-        main(run)
+        main([*run, *every])
 
 
 def block_until_killed(marker: Path) -> None:
@@ -140,20 +142,36 @@ def torchrun_job(script: str, nproc: int, *args: str) -> list[str]:
             f"--master-port={free_port()}", str(HERE / script), *args]  # fmt: skip
 
 
+def lightning_launched_job(script: str, nproc: int, *args: str) -> list[str]:
+    """`script` as a plain `python script.py ... --devices nproc`, whose Lightning Trainer starts the other nproc - 1
+    processes itself (its _SubprocessScriptLauncher runs the same command line again with LOCAL_RANK set)."""
+    return ["env", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port()}", *job_command(script, *args),
+            "--devices", str(nproc)]  # fmt: skip
+
+
 def start_job(command: list[str], log: Path) -> subprocess.Popen:
+    """`command` started in a process group of its own (stop_job ends all of it: ranks, launchers, workers)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks on 2 cores: a thread pool each would only contend
     with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_job(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group start_job made for `proc`, and reap `proc`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left of it
+        pass
+    proc.wait(timeout=30)
 
 
 def finish_job(proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Wait for `proc` to end well (killed after `timeout` seconds: a hung collective fails the test)."""
+    """Wait for `proc` to end well (its whole group killed after `timeout` seconds: a hung collective fails the
+    test)."""
     try:
         proc.wait(timeout=timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_job(proc)
     assert proc.returncode == 0, f"job exit {proc.returncode}: {Path(log).read_text()[-4000:]}"
 
 
@@ -180,9 +198,8 @@ def kill_ranks_at_markers(proc: subprocess.Popen, markers: list[Path], log: Path
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert proc.returncode != 0, "torchrun ended well after its ranks were killed"
+            stop_job(proc)
+    assert proc.returncode != 0, "the launch ended well after its ranks were killed"
     workers = [pid for marker in markers for pid in marked_workers(marker)]
     deadline = time.monotonic() + 30
     while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
@@ -212,9 +229,7 @@ def kill_at_marker(proc: subprocess.Popen, marker: Path, log: Path, timeout: flo
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+        stop_job(proc)
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -232,9 +247,7 @@ def killed_and_resumed(script: str, main, corpora: list[str], cache: Path, root:
         main([*base, "--out", str(root / "uninterrupted")])
         kill_at_marker(proc, killed / "checkpointed", log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_job(proc)
     before = recorded(killed)
     for path in killed.glob("step-*.npy"):
         path.unlink()
@@ -254,24 +267,27 @@ def two_ranks_killed_and_resumed(
     then: list[list[str]] = (),
     meanwhile: Any = None,
     killed_args: list[str] = (),
+    launch: Any = torchrun_job,
+    resume_first: bool = False,
 ) -> list[dict[int, np.ndarray]]:
-    """Each rank's steps before the kill: one 2-rank torchrun launch of `script` is SIGKILLed rank by rank after its
+    """Each rank's steps before the kill: one 2-rank launch of `script` is SIGKILLed rank by rank after its
     checkpoint at KILL_AFTER (root/killed); a second launch runs, in turn, the uninterrupted 2-rank run
     (root/uninterrupted), once the first is killed and its records cleared the killed run resumed by 2 ranks, then
     the runs `then` (arguments after `base`). `killed_args` go to the killed run and its resume only (DataLoader
     workers: the uninterrupted run reads without, so the two ways of reading are compared). `meanwhile()` runs here
     while the launches start, before the kill (what a run of `then` needs: a checkpoint of a 1-rank run). Two
-    launches rather than more: each costs several seconds of CPU a rank in imports."""
+    launches rather than more: each costs several seconds of CPU a rank in imports. `launch(script, 2, *args)` is
+    the command of a launch (torchrun_job, lightning_launched_job); `resume_first` runs the resume before the
+    uninterrupted run (a launcher that starts its processes at a launch's first run only)."""
     killed, resume_now = root / "killed", root / "killed-and-cleared"
-    (root / "turns.json").write_text(json.dumps([
-        [*base, "--out", str(root / "uninterrupted")],
-        [*base, *killed_args, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
-        *([*base, *run] for run in then),
-    ]))  # fmt: skip
+    uninterrupted = [[*base, "--out", str(root / "uninterrupted")]]
+    resumed = [[*base, *killed_args, "--out", str(killed), "--resume", "--wait-for", str(resume_now)]]
+    first = [*resumed, *uninterrupted] if resume_first else [*uninterrupted, *resumed]
+    (root / "turns.json").write_text(json.dumps([*first, *([*base, *run] for run in then)]))
     logs = root / "killed.log", root / "turns.log"
     killed_run = [*base, *killed_args, "--out", str(killed), "--block-after", str(KILL_AFTER)]
-    to_kill = start_job(torchrun_job(script, 2, *killed_run), logs[0])
-    turns = start_job(torchrun_job(script, 2, "--runs", str(root / "turns.json")), logs[1])
+    to_kill = start_job(launch(script, 2, *killed_run), logs[0])
+    turns = start_job(launch(script, 2, "--runs", str(root / "turns.json")), logs[1])
     try:
         if meanwhile is not None:
             meanwhile()
@@ -283,9 +299,7 @@ def two_ranks_killed_and_resumed(
         finish_job(turns, logs[1], timeout=300)
     finally:
         for proc in (to_kill, turns):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+            stop_job(proc)
     return before
 
 

@@ -1,10 +1,12 @@
 """A few CPU steps of a tiny model with the real lightning.Trainer on CorpusforgeDataModule, recording each step's
 batch as training_step receives it and its loss (per rank); a checkpoint every SAVE_EVERY steps. Under torchrun,
-each process is a rank of Lightning's DDP strategy on gloo.
+each process is a rank of Lightning's DDP strategy on gloo; with --devices N, Lightning starts the N processes
+itself (this command again, for ranks 1..N-1).
 
     python lightning_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume | --resume-from CKPT]
-        [--workers N]
+        [--workers N] [--devices N]
     torchrun --nproc-per-node 2 lightning_job.py --runs RUNS.json    (several runs, one after another)
+    python lightning_job.py --runs RUNS.json --devices 2             (the same, Lightning starting rank 1)
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from adapter_harness import (  # noqa: E402
     blend_of,
     block_until_killed,
     job_arguments,
-    rank_dir,
     record_loss,
     record_step,
     run_in_turn,
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p = job_arguments()
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--resume-from", help="a checkpoint of another run to resume from")
+    p.add_argument("--devices", type=int, help="processes Lightning starts itself (strategy ddp); default: torchrun's")
     a = p.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = Path(a.out)
-    mine = rank_dir(out)
+
+    def mine(trainer) -> Path:  # where this rank records (known once Lightning has started its processes)
+        return out if trainer.world_size == 1 else out / f"rank-{trainer.global_rank}"
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -60,12 +64,12 @@ def main(argv: list[str] | None = None) -> None:
             self.head = torch.nn.Linear(16, VOCAB)
 
         def training_step(self, batch, batch_idx):
-            record_step(mine, self.global_step + 1, batch["tokens"].numpy())
+            record_step(mine(self.trainer), self.global_step + 1, batch["tokens"].numpy())
             logits = self.head(self.embed(batch["tokens"].long()))  # (B, S, V)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].long().flatten(),
                                                      reduction="none")  # fmt: skip
             loss = (loss * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()
-            record_loss(mine, self.global_step + 1, loss.item())
+            record_loss(mine(self.trainer), self.global_step + 1, loss.item())
             return loss
 
         def configure_optimizers(self):
@@ -76,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
             # the checkpoint after step K was written at the end of step K (its save ends in a barrier of all ranks);
             # the next batch is already fetched
             if trainer.global_step == a.block_after:
-                block_until_killed(mine / "checkpointed")
+                block_until_killed(mine(trainer) / "checkpointed")
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = a.devices or int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
     checkpoints = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1, save_last=True)
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",

@@ -15,6 +15,7 @@ from adapter_harness import (
     STEPS,
     assert_resumed_exactly,
     killed_and_resumed,
+    lightning_launched_job,
     make_corpora,
     marked_workers,
     rank_records,
@@ -186,3 +187,45 @@ def test_a_1_rank_checkpoint_resumed_by_2_ranks_continues_the_global_order(runs,
         assert steps == list(range(KILL_AFTER + 1, STEPS + 1)), f"rank {rank}'s steps"
         own = own_batches(corpora, root, rank, 2, consumed=KILL_AFTER * MBS, steps=len(steps))
         np.testing.assert_array_equal(np.stack([resumed[rank][s] for s in steps]), np.stack(own))
+
+
+# Lightning's own process launcher: `python lightning_job.py ... --devices 2` with strategy="ddp", Lightning starting
+# rank 1 itself (no torchrun). One launch SIGKILLed after its checkpoint at KILL_AFTER, a second that resumes it (its
+# first run, so that Lightning starts that launch's processes for it), then runs the uninterrupted run.
+
+
+@pytest.fixture(scope="module")
+def launched_runs(corpora, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning_launched")
+    base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
+    job.data_module(corpora, str(root / "cache")).setup("fit")  # the index caches, built once before the ranks
+    before = two_ranks_killed_and_resumed(
+        "lightning_job.py", base, root, launch=lightning_launched_job, resume_first=True
+    )
+    return root, before
+
+
+@pytest.mark.slow
+def test_lightnings_own_launcher_trains_the_loaders_batches_and_resumes(launched_runs, corpora):
+    """Under Lightning's own launcher (rank 1 a child of rank 0, started by Lightning), each rank trains
+    corpusforge's 2-rank loader's batches; both processes SIGKILLed after the checkpoint at KILL_AFTER and resumed
+    with ckpt_path by a new `python` launch train exactly the uninterrupted run's next batches with its losses, bit
+    for bit; the checkpoint counts the samples both ranks trained."""
+    import torch
+
+    root, before = launched_runs
+    killed = root / "killed"
+    rank_0, rank_1 = ((killed / f"rank-{r}" / "checkpointed").read_text().split() for r in range(2))
+    assert rank_1[0] in rank_0[1:], "rank 1 is not a process rank 0 started"
+    uninterrupted, after = rank_records(root / "uninterrupted"), rank_records(killed)
+    losses, resumed_losses = rank_records(root / "uninterrupted", "loss"), rank_records(killed, "loss")
+    for rank in range(2):
+        own = own_batches(corpora, root, rank, 2)
+        np.testing.assert_array_equal(np.stack([uninterrupted[rank][s] for s in sorted(uninterrupted[rank])]),
+                                      np.stack(own), err_msg=f"rank {rank}")  # fmt: skip
+        assert_resumed_exactly(uninterrupted[rank], before[rank], after[rank], KILL_AFTER)
+        assert sorted(resumed_losses[rank]) == list(range(KILL_AFTER + 1, STEPS + 1))
+        for step, loss in resumed_losses[rank].items():
+            assert loss == losses[rank][step], f"rank {rank} step {step}: loss {loss} != {losses[rank][step]}"
+    saved = torch.load(killed / "ckpt" / f"epoch=0-step={KILL_AFTER}.ckpt", weights_only=True)
+    assert saved["CorpusforgeDataModule"]["consumed_samples"] == KILL_AFTER * MBS * 2
