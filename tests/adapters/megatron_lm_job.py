@@ -6,11 +6,14 @@ consumed_train_samples (what Megatron-LM's checkpoint keeps of the data) every S
 
     python megatron_lm_job.py --corpora A,B --cache DIR --out DIR [--block-after K] [--resume]
 
-With --context-parallel, under torchrun: megatron-core's parallel_state with a context-parallel group of all the
-ranks (on gloo), and each rank's get_batch_on_this_cp_rank slices of the first batches, of corpusforge's datasets and
-of megatron-core's own, recorded side by side.
+With --context-parallel N, under torchrun: megatron-core's parallel_state with context-parallel groups of N ranks
+(on gloo; the world's other factor data-parallel), and each rank's get_batch_on_this_cp_rank slices of the first
+batches, of corpusforge's datasets and of megatron-core's own, recorded side by side with the rank's data-parallel
+and context-parallel rank; with --resume-at C, also corpusforge's from C consumed samples on (Megatron-LM's resume:
+its sampler from the checkpoint's consumed_train_samples).
 
-    torchrun --nproc-per-node 2 megatron_lm_job.py --context-parallel --corpora A,B --cache DIR --out DIR
+    torchrun --nproc-per-node 4 megatron_lm_job.py --context-parallel 2 --corpora A,B --cache DIR --out DIR
+        [--resume-at C]
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def context_parallel_main(argv: list[str]) -> None:
-    """Each rank's context-parallel slices of the first STEPS batches, corpusforge's and megatron-core's, saved as
-    rank-R/{ours,theirs}-STEP-KEY.npy."""
+    """Each rank's context-parallel slices of its data-parallel rank's first STEPS batches, corpusforge's and
+    megatron-core's, saved as rank-R/{ours,theirs}-STEP-KEY.npy (and corpusforge's after --resume-at samples as
+    rank-R/resumed-STEP-KEY.npy, STEP counted on from the resume point), with rank-R/ranks.json: its dp and cp rank
+    and sizes."""
     import numpy as np
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -141,19 +146,27 @@ def context_parallel_main(argv: list[str]) -> None:
     from corpusforge.fsutil import save_npy_atomic
 
     p = job_arguments()
-    p.add_argument("--context-parallel", action="store_true")
+    p.add_argument("--context-parallel", type=int, required=True, help="context_parallel_size")
+    p.add_argument("--resume-at", type=int, help="consumed_train_samples of a checkpoint to resume from too")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    parallel_state.initialize_model_parallel(context_parallel_size=a.context_parallel)
     args = megatron_args(a.corpora.split(","), a.cache, reset_position_ids=True, eod_mask_loss=True)
-    sizes = [STEPS * MBS, 0, 0]
+    sizes = [STEPS * MBS * parallel_state.get_data_parallel_world_size(), 0, 0]
     sides = {"ours": build_datasets_from_args(args, sizes, TOKENIZER)[0],
              "theirs": megatron_core_datasets(args, sizes, Tokenizer(), Path(a.cache) / "megatron")[0]}  # fmt: skip
     dp_rank, dp_world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    ranks = {"dp_rank": dp_rank, "dp_size": dp_world, "cp_rank": parallel_state.get_context_parallel_rank(),
+             "cp_size": parallel_state.get_context_parallel_world_size()}  # fmt: skip
     out = rank_dir(Path(a.out))
     out.mkdir(parents=True, exist_ok=True)
-    for side, dataset in sides.items():
-        for step, batch in enumerate(batches(dataset, 0, rank=dp_rank, world=dp_world, keys=TP_KEYS), start=1):
+    (out / "ranks.json").write_text(json.dumps(ranks))
+    runs = [(side, dataset, 0) for side, dataset in sides.items()]
+    if a.resume_at is not None:
+        runs.append(("resumed", sides["ours"], a.resume_at))
+    for side, dataset, consumed in runs:
+        first = consumed // (MBS * dp_world) + 1
+        for step, batch in enumerate(batches(dataset, consumed, rank=dp_rank, world=dp_world, keys=TP_KEYS), first):
             for key, value in batch.items():
                 if value is not None:  # no attention_mask unless asked
                     save_npy_atomic(out / f"{side}-{step:04d}-{key}.npy", np.asarray(value), durable=False)

@@ -5,12 +5,14 @@ The consumers run here are those of Megatron-LM's train path that the megatron-c
 Megatron-LM's own code does around them: a torch DataLoader with the default collate and Megatron's pretraining
 sampler (megatron/training/datasets/data_samplers.py is not in the package; corpusforge's PretrainingBatchSampler
 is its equivalent, tested against its semantics in tests/data/test_loader.py), megatron.core.rerun_state_machine's
-RerunDataIterator and megatron.core.utils.get_batch_on_this_cp_rank (context-parallel size 1 here; size 2 under a
-2-rank torchrun, megatron-core's parallel_state groups made on gloo). Not run: megatron/training (pretrain(),
-get_batch_on_this_tp_rank's broadcast), which needs GPUs.
+RerunDataIterator and megatron.core.utils.get_batch_on_this_cp_rank (context-parallel size 1 here; size 2 with 2
+data-parallel ranks under a 4-rank torchrun, megatron-core's parallel_state groups made on gloo). Not run:
+megatron/training (pretrain(), get_batch_on_this_tp_rank's broadcast), which needs GPUs.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -148,30 +150,45 @@ def test_resume_after_kill_continues_with_the_next_batch(tmp_path, corpora):
 
 @pytest.mark.slow
 def test_context_parallel_2_slices_the_same_batches(tmp_path, corpora):
-    """Under a 2-rank torchrun (gloo), megatron-core's initialize_model_parallel(context_parallel_size=2), and the
-    batches Megatron-LM's get_batch takes (get_batch_on_this_tp_rank's keys) sliced by get_batch_on_this_cp_rank:
-    on each context-parallel rank corpusforge's slices equal megatron-core's own dataset's (keys, dtypes, shapes,
-    values), and are chunks r and 3 - r of 4 along the sequence of corpusforge's whole batch (the attention mask's
-    rows), the two ranks' together all of it."""
-    out = tmp_path / "out"
-    command = torchrun_job("megatron_lm_job.py", 2, "--context-parallel", "--corpora", ",".join(corpora), "--cache",
-                           str(tmp_path / "cache"), "--out", str(out))  # fmt: skip
+    """Under a 4-rank torchrun (gloo), megatron-core's initialize_model_parallel(context_parallel_size=2) (2
+    data-parallel ranks of 4 ranks), and the batches Megatron-LM's get_batch takes (get_batch_on_this_tp_rank's
+    keys) of each data-parallel rank's micro-batches, sliced by get_batch_on_this_cp_rank: on each rank
+    corpusforge's slices equal megatron-core's own dataset's (keys, dtypes, shapes, values), and are chunks r and
+    3 - r of 4 along the sequence (the attention mask's rows) of corpusforge's 2-rank loader's batch for its
+    data-parallel rank, r its context-parallel rank; resumed from the consumed samples of a checkpoint after step
+    KILL_AFTER, each rank's slices are those of steps KILL_AFTER + 1.., the global order continued."""
+    world, out = 4, tmp_path / "out"
+    dp = world // 2
+    resume_at = KILL_AFTER * MBS * dp  # consumed_train_samples after step KILL_AFTER
+    command = torchrun_job("megatron_lm_job.py", world, "--context-parallel", "2", "--corpora", ",".join(corpora),
+                           "--cache", str(tmp_path / "cache"), "--out", str(out),
+                           "--resume-at", str(resume_at))  # fmt: skip
     finish_job(start_job(command, tmp_path / "cp.log"), tmp_path / "cp.log", timeout=300)
     args = job.megatron_args(corpora, str(tmp_path / "cache"), reset_position_ids=True, eod_mask_loss=True)
-    train = build_datasets_from_args(args, [STEPS * MBS, 0, 0], job.TOKENIZER)[0]
-    whole = list(job.batches(train, 0, keys=job.TP_KEYS))  # context-parallel size 1 here: the whole sequence
-    assert len(whole) == STEPS
-    chunk = SEQ // 4
-    for rank in range(2):
-        mine = slice(rank * chunk, (rank + 1) * chunk), slice((3 - rank) * chunk, (4 - rank) * chunk)
+    train = build_datasets_from_args(args, [STEPS * MBS * dp, 0, 0], job.TOKENIZER)[0]
+    chunk, layout = SEQ // 4, set()
+    for rank in range(world):
+        mine = out / f"rank-{rank}"
+        ranks = json.loads((mine / "ranks.json").read_text())
+        assert (ranks["cp_size"], ranks["dp_size"]) == (2, dp), ranks
+        layout.add((ranks["dp_rank"], ranks["cp_rank"]))
+        # context-parallel size 1 here: the whole sequence of the rank's data-parallel micro-batches
+        whole = list(job.batches(train, 0, rank=ranks["dp_rank"], world=dp, keys=job.TP_KEYS))
+        assert len(whole) == STEPS
+        r = ranks["cp_rank"]
+        chunks = slice(r * chunk, (r + 1) * chunk), slice((3 - r) * chunk, (4 - r) * chunk)
+        resumed = sorted({int(p.name.split("-")[1]) for p in mine.glob("resumed-*.npy")})
+        assert resumed == list(range(KILL_AFTER + 1, STEPS + 1)), f"rank {rank}: resumed steps"
         for step, batch in enumerate(whole, start=1):
             for key in job.TP_KEYS:
-                ours, theirs = (
-                    np.load(out / f"rank-{rank}" / f"{side}-{step:04d}-{key}.npy") for side in ("ours", "theirs")
-                )
-                assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), f"rank {rank} step {step} {key}"
-                np.testing.assert_array_equal(ours, theirs, err_msg=f"rank {rank} step {step} {key}")
+                ours, theirs = (np.load(mine / f"{side}-{step:04d}-{key}.npy") for side in ("ours", "theirs"))
+                where = f"rank {rank} (dp {ranks['dp_rank']}, cp {r}) step {step} {key}"
+                assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), where
+                np.testing.assert_array_equal(ours, theirs, err_msg=where)
                 full = batch[key].numpy()
                 axis = 2 if key == "attention_mask" else 1  # (B, 1, S, S): its query rows
-                expected = np.concatenate([np.take(full, range(s.start, s.stop), axis=axis) for s in mine], axis=axis)
-                np.testing.assert_array_equal(ours, expected, err_msg=f"rank {rank} step {step} {key}: not its chunks")
+                expected = np.concatenate([np.take(full, range(c.start, c.stop), axis=axis) for c in chunks], axis)
+                np.testing.assert_array_equal(ours, expected, err_msg=f"{where}: not its chunks")
+                if step > KILL_AFTER:
+                    np.testing.assert_array_equal(np.load(mine / f"resumed-{step:04d}-{key}.npy"), ours, where)
+    assert layout == {(d, c) for d in range(dp) for c in range(2)}, "each (dp, cp) rank once"
