@@ -59,7 +59,7 @@ def ready(kernel: Callable) -> bool:
         >>> ready(add)
         False
     """
-    if _LOADER is not None and not _compiling_here():  # a load is in flight on another thread: not yet
+    if _LOADER is not None and not compiling_here():  # a load is in flight on another thread: not yet
         return False
     return bool(kernel.overloads)  # .signatures would build a list: this is asked per dataset of a blend
 
@@ -73,7 +73,7 @@ def started() -> bool:
         False
     """
     global _STARTED
-    if _compiling_here():
+    if compiling_here():
         return True
     if _LOADER is not None:  # a load is in flight on another thread: keep to numpy until it is done
         return False
@@ -93,7 +93,13 @@ _LOCK = threading.Lock()
 _HERE = threading.local()  # .compiling: this thread calls the compiled kernels (compiling(), the loader thread)
 
 
-def _compiling_here() -> bool:
+def compiling_here() -> bool:
+    """Whether this thread is under `compiling()` (or is the loading thread): its calls load kernels.
+
+    Example:
+        >>> compiling_here()
+        False
+    """
     return getattr(_HERE, "compiling", False)
 
 
@@ -107,7 +113,7 @@ def compiling() -> Iterator[None]:
         ...     started()
         True
     """
-    before = _compiling_here()
+    before = compiling_here()
     _HERE.compiling = True
     try:
         yield
@@ -165,7 +171,7 @@ def finish_loading() -> None:
     """
     while (loader := _LOADER) is not None and loader is not threading.current_thread():
         loader.join()
-    if _ERRORS and not _compiling_here():
+    if _ERRORS and not compiling_here():
         raise _ERRORS.pop(0)
 
 

@@ -73,7 +73,7 @@ from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpi
 from corpusforge.data.mt19937 import seeded, shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
-from corpusforge.jit import compiling, finish_loading, load_in_background, njit, ready, started
+from corpusforge.jit import compiling, compiling_here, finish_loading, load_in_background, njit, ready, started
 from corpusforge.storage import readwatch
 from corpusforge.storage.readwatch_kernels import OFFSET, mark_begin, mark_end, monotonic_ns
 
@@ -962,6 +962,9 @@ def build_together(parts: list[GPTDataset], cache: IndexCache | None, kind: str)
 # The kernel signatures GPTDataset.load_kernels has compiled (or loaded) in this process.
 _COMPILED: set[tuple] = set()
 
+# What load_kernels' calls mark instead of the process's readwatch slot (GPTDataset._slot).
+_LOAD_SLOT = np.zeros(readwatch.WORDS, np.int64)
+
 
 @functools.cache
 def _splits(s: int) -> tuple[int, ...]:
@@ -1087,6 +1090,13 @@ class GPTDataset:
             load_in_background(self._load_kernels_now)
         return True
 
+    @staticmethod
+    def _slot(location: str) -> np.ndarray:
+        """readwatch.slot_for(location), the slot a read from the map marks; under jit.compiling() (load_kernels'
+        calls, which read no sample) a scratch slot of the same type: a load on jit's thread does not rename the file
+        of the process's slot while another thread is in a read of another file (a watchdog would name that one)."""
+        return _LOAD_SLOT if compiling_here() else readwatch.slot_for(location)
+
     def _load_kernels_now(self) -> None:
         """load_kernels' calls, on a thread under jit.compiling()."""
         self.indexed.load_kernels()
@@ -1158,14 +1168,14 @@ class GPTDataset:
         wait ~1 s for numba's start-up."""
         args = self._direct_args()
         if args is not None and self._numpy_for_now(_gather):
-            return _gather_numpy(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
-        return args is not None and _gather(ids, *args, block, readwatch.slot_for(self._mapped_path)) == 0
+            return _gather_numpy(ids, *args, block, self._slot(self._mapped_path)) == 0
+        return args is not None and _gather(ids, *args, block, self._slot(self._mapped_path)) == 0
 
     def _read_flat(self, ids: np.ndarray, flat: np.ndarray) -> bool:
         """_read_bounded into `flat`, int32 laid out as batch.bounded_block (see _gather_flat)."""
         args = self._direct_args()
         if args is not None and (started() or ready(_gather_flat)):
-            status = _gather_flat(ids, *args, flat, self.config.seq_length, readwatch.slot_for(self._mapped_path))
+            status = _gather_flat(ids, *args, flat, self.config.seq_length, self._slot(self._mapped_path))
             if status != -2:
                 return status == 0
         b, s, flat = len(ids), self.config.seq_length, flat.reshape(-1)
@@ -1184,7 +1194,7 @@ class GPTDataset:
                 return False
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
             return True
-        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen, readwatch.slot_for(self._mapped_path))
+        status = _gather_bounded(ids, *args, block, cu_seqlens, max_seqlen, self._slot(self._mapped_path))
         if status == -2:
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])  # raises, naming the dataset
         return status == 0
@@ -1247,7 +1257,7 @@ class GPTDataset:
         bounded = self.config.document_boundaries and memory is not None and started()
         if bounded:  # the text and the boundaries, in as few columns as they take, in one compiled call
             text = np.empty((len(ids), width), memory.dtype)
-            args, slot = self._direct_args()[:-1], readwatch.slot_for(self._mapped_path)
+            args, slot = self._direct_args()[:-1], self._slot(self._mapped_path)
             status, boundaries, max_seqlen = _gather_raw_bounded(ids, *args, text, slot)
             if status == 0:
                 return RawBatch(text, False, None, boundaries, max_seqlen)
@@ -1261,9 +1271,9 @@ class GPTDataset:
             arrays = (ids, self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths,
                       indexed.sequence_pointers, indexed.dtype.itemsize, memory)  # fmt: skip
             if self._numpy_for_now(_gather):  # until the kernels are loaded (_read_fields)
-                status = _text_numpy(*arrays, extra, text, readwatch.slot_for(path))
+                status = _text_numpy(*arrays, extra, text, self._slot(path))
             else:
-                status = _gather(*arrays, self._options(), text, _NO_FIELDS, readwatch.slot_for(path))
+                status = _gather(*arrays, self._options(), text, _NO_FIELDS, self._slot(path))
             if status == 0:
                 return self._with_boundaries(ids, RawBatch(text, maybe_padded=False))
         if status < 0 or len(ids) and (ids.min() < 0 or ids.max() >= len(self)):

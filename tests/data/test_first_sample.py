@@ -98,7 +98,7 @@ from corpusforge import jit
 from corpusforge.data import build_gpt_datasets, make_loader
 from corpusforge.data.batch import _fill_bounded, _split_text, fill_fields
 from corpusforge.data.gpt_dataset import _document_boundaries, _gather, _sample_pieces
-from corpusforge.storage import StorageConfig
+from corpusforge.storage import StorageConfig, readwatch
 
 blend, cases, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 KERNELS = {"_sample_pieces": _sample_pieces, "fill_fields": fill_fields, "_gather": _gather,
@@ -136,6 +136,7 @@ datasets = {name: build(name) for name in cases}
 global_compiler_lock.acquire()
 first = {name: rows(ds) for name, ds in datasets.items()}
 waited = {"loading": jit.loading(), "started": jit.started(), "any_ready": any(map(jit.ready, KERNELS.values()))}
+named = readwatch._slots().last_location  # the file of this thread's last read: the load must not rename it
 global_compiler_lock.release()
 # A fork while the load is in flight (it has just got the lock): the child finds it done, not half-held.
 waited["fork_in_flight"] = jit.loading()
@@ -147,6 +148,7 @@ if pid == 0:
 statuses = [os.waitpid(p, 0)[1] for p in (pid, loader_pid)]
 jit.finish_loading()  # the background load alone, then load_kernels as a loader calls it before it forks
 after_load = {name: jit.ready(k) for name, k in KERNELS.items()}
+waited["slot_kept"] = readwatch._slots().last_location is named
 for ds in datasets.values():
     ds.load_kernels()
 print(json.dumps({"waited": waited, "statuses": statuses, "after_load": after_load, "started": jit.started(),
@@ -159,15 +161,18 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
     """In a fresh process whose background load is held up (numba's compiler lock taken): the first batches of every
     case (get_batch, ds[i], __getitems__) come anyway, with no kernel loaded; then the load ends (a fork meanwhile
     waits for it: the child reads with the kernels), load_kernels leaves every kernel loaded, and the same batches,
-    read again through the kernels, are equal bit for bit. A child forked before numba started runs the loader with a
-    forked worker: load_kernels loads the kernels before that fork (the worker finds them), the same batches."""
+    read again through the kernels, are equal bit for bit; the load, calling the gathers of memory-mapped datasets,
+    leaves the file named in the process's readwatch slot as this thread's last read left it. A child forked before
+    numba started runs the loader with a forked worker: load_kernels loads the kernels before that fork (the worker
+    finds them), the same batches."""
     blend = [1, corpora[0], 2, corpora[1]]  # uint16 with empty documents, int32
     root = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", FIRST_BATCHES, json.dumps(blend), json.dumps(CASES), str(root)],
                           capture_output=True, text=True, timeout=120, cwd=Path.cwd())  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     fresh = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert fresh["waited"] == {"loading": True, "started": False, "any_ready": False, "fork_in_flight": True}
+    waited = {"loading": True, "started": False, "any_ready": False, "fork_in_flight": True, "slot_kept": True}
+    assert fresh["waited"] == waited
     assert fresh["statuses"] == [0, 0] and fresh["started"] is True
     assert all(fresh["after_load"].values()), fresh["after_load"]
     for name in CASES:
