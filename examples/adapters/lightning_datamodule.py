@@ -4,6 +4,7 @@
     python examples/adapters/lightning_datamodule.py [PREFIX] --resume   # after a kill: continues with the next batch
     torchrun --nproc-per-node 2 examples/adapters/lightning_datamodule.py [PREFIX] [--resume]   # 2 DDP ranks
                                                                     # (after a first run has tokenized the corpus)
+    python examples/adapters/lightning_datamodule.py [PREFIX] --devices=2 [--resume]   # Lightning starts rank 1
 
 Each rank trains its slice of every global batch, as corpusforge's own loader gives it; the checkpoint holds the
 samples all ranks consumed, so it resumes at any number of ranks, continuing the same global order.
@@ -53,7 +54,9 @@ class TinyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-ranks = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; Lightning's DDP strategy joins its process group
+# torchrun's processes (Lightning's DDP strategy joins their process group), or --devices=N that Lightning starts
+devices = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--devices=")), None)
+ranks = devices or int(os.environ.get("WORLD_SIZE", 1))
 # enough samples for 2 ranks; the same dataset at any number of ranks, so that a checkpoint resumes at another one
 data = CorpusforgeDataModule(prefix, seq_length=64, micro_batch_size=micro_batch, split="99,1,0",
                              num_samples=(steps * micro_batch * 2, 8, 0), cache_dir="out/cache", num_workers=2,

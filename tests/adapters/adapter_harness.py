@@ -268,7 +268,6 @@ def two_ranks_killed_and_resumed(
     meanwhile: Any = None,
     killed_args: list[str] = (),
     launch: Any = torchrun_job,
-    resume_first: bool = False,
 ) -> list[dict[int, np.ndarray]]:
     """Each rank's steps before the kill: one 2-rank launch of `script` is SIGKILLed rank by rank after its
     checkpoint at KILL_AFTER (root/killed); a second launch runs, in turn, the uninterrupted 2-rank run
@@ -277,13 +276,13 @@ def two_ranks_killed_and_resumed(
     workers: the uninterrupted run reads without, so the two ways of reading are compared). `meanwhile()` runs here
     while the launches start, before the kill (what a run of `then` needs: a checkpoint of a 1-rank run). Two
     launches rather than more: each costs several seconds of CPU a rank in imports. `launch(script, 2, *args)` is
-    the command of a launch (torchrun_job, lightning_launched_job); `resume_first` runs the resume before the
-    uninterrupted run (a launcher that starts its processes at a launch's first run only)."""
+    the command of a launch (torchrun_job, lightning_launched_job)."""
     killed, resume_now = root / "killed", root / "killed-and-cleared"
-    uninterrupted = [[*base, "--out", str(root / "uninterrupted")]]
-    resumed = [[*base, *killed_args, "--out", str(killed), "--resume", "--wait-for", str(resume_now)]]
-    first = [*resumed, *uninterrupted] if resume_first else [*uninterrupted, *resumed]
-    (root / "turns.json").write_text(json.dumps([*first, *([*base, *run] for run in then)]))
+    (root / "turns.json").write_text(json.dumps([
+        [*base, "--out", str(root / "uninterrupted")],
+        [*base, *killed_args, "--out", str(killed), "--resume", "--wait-for", str(resume_now)],
+        *([*base, *run] for run in then),
+    ]))  # fmt: skip
     logs = root / "killed.log", root / "turns.log"
     killed_run = [*base, *killed_args, "--out", str(killed), "--block-after", str(KILL_AFTER)]
     to_kill = start_job(launch(script, 2, *killed_run), logs[0])

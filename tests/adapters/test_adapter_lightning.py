@@ -190,8 +190,9 @@ def test_a_1_rank_checkpoint_resumed_by_2_ranks_continues_the_global_order(runs,
 
 
 # Lightning's own process launcher: `python lightning_job.py ... --devices 2` with strategy="ddp", Lightning starting
-# rank 1 itself (no torchrun). One launch SIGKILLed after its checkpoint at KILL_AFTER, a second that resumes it (its
-# first run, so that Lightning starts that launch's processes for it), then runs the uninterrupted run.
+# rank 1 itself (no torchrun). One launch SIGKILLed after its checkpoint at KILL_AFTER; a second whose first run, the
+# uninterrupted one, has Lightning start its rank 1 (while the first launch runs), then resumes the killed run in
+# those processes (a later fit: Lightning finds the LOCAL_RANK its launcher set and joins them).
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +200,7 @@ def launched_runs(corpora, tmp_path_factory):
     root = tmp_path_factory.mktemp("lightning_launched")
     base = ["--corpora", ",".join(corpora), "--cache", str(root / "cache")]
     job.data_module(corpora, str(root / "cache")).setup("fit")  # the index caches, built once before the ranks
-    before = two_ranks_killed_and_resumed(
-        "lightning_job.py", base, root, launch=lightning_launched_job, resume_first=True
-    )
+    before = two_ranks_killed_and_resumed("lightning_job.py", base, root, launch=lightning_launched_job)
     return root, before
 
 
@@ -209,8 +208,8 @@ def launched_runs(corpora, tmp_path_factory):
 def test_lightnings_own_launcher_trains_the_loaders_batches_and_resumes(launched_runs, corpora):
     """Under Lightning's own launcher (rank 1 a child of rank 0, started by Lightning), each rank trains
     corpusforge's 2-rank loader's batches; both processes SIGKILLed after the checkpoint at KILL_AFTER and resumed
-    with ckpt_path by a new `python` launch train exactly the uninterrupted run's next batches with its losses, bit
-    for bit; the checkpoint counts the samples both ranks trained."""
+    with ckpt_path in another launch's processes that Lightning started train exactly the uninterrupted run's next
+    batches with its losses, bit for bit; the checkpoint counts the samples both ranks trained."""
     import torch
 
     root, before = launched_runs
