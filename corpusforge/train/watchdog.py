@@ -235,7 +235,11 @@ class Watchdog:
             return "stuck"
         if self.waiting_since is not None and now - self.waiting_since >= self.hang_s:
             return "stuck"
-        if now - self.last_beat >= self.hang_s and (self.armed or self._stuck_elsewhere()):
+        # A rank waiting for data is judged by the clocks above, which start with the wait, not by the last beat:
+        # else whatever ran between the beat and the wait (logging, another thread holding the GIL) decided, in one
+        # tick of it, whether a rank whose read hangs says "waiting" instead of naming the read.
+        in_data = self.waiting_since is not None
+        if now - self.last_beat >= self.hang_s and not in_data and (self.armed or self._stuck_elsewhere()):
             return "waiting"  # unarmed (the first step compiles): only once a stuck rank has said so
         return None
 
