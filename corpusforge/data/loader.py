@@ -31,6 +31,7 @@ from corpusforge.data.cache import describe_differences, description_hash
 from corpusforge.data.gpt_dataset import prefetch_upcoming
 from corpusforge.errors import CorpusforgeError
 from corpusforge.executors import die_with_parent
+from corpusforge.jit import load_in_background, started
 
 STATE_VERSION = 1
 
@@ -284,9 +285,15 @@ class Loader:
         # A dataset with its own assemble (RetroDataset: neighbours too) makes its fields; GPT datasets use batch.py's.
         own = getattr(self.dataset, "assemble", None)
         config = getattr(self.dataset, "config", None)
+        # Read in this process, the first batches come from numpy (GPTDataset._numpy_for_now): the kernels load on
+        # jit's thread once the first batch is handed over, beside the step it feeds, not beside the job's start-up.
+        kernels = getattr(self.dataset, "load_kernels", None) if not raw and not started() else None
         for batch in loader:
             # Counted when handed over, not when prefetched: a state saved now resumes at the next batch.
             self.consumed_samples += self.global_batch_size
+            if kernels is not None:
+                load_in_background(kernels)
+                kernels = None
             if not raw:
                 yield batch
             elif own is not None:
