@@ -771,6 +771,12 @@ def _gather_flat(
 # What _document_boundaries is given as `positions` when only the boundaries are wanted.
 _NO_POSITIONS = np.empty((0, 0), np.int32)
 
+# Samples a process reads with the numpy twins (about: a read may count twice) before a dataset asks for its kernels
+# on jit's loading thread, and how many it has read so. A process that reads a few samples never pays numba's
+# start-up (~0.6-1 s of CPU); a Loader asks at once, as it hands over its first batch (the load overlaps the step).
+_NUMPY_SAMPLES = 64
+_NUMPY_SERVED = [0]
+
 
 def _gather_numpy(
     ids, shuffle_index, sample_index, document_index, sequence_lengths, sequence_pointers, itemsize, source, options,
@@ -1078,14 +1084,16 @@ class GPTDataset:
         with compiling():  # the calls below take the kernels, not the numpy twins that a fresh process serves with
             self._load_kernels_now()
 
-    def _numpy_for_now(self, kernel: Any) -> bool:
-        """Whether a read takes `kernel`'s numpy twin (or its Python function): numba has not started in this
-        process, or kernels are loading in the background. The first such read asks for this dataset's kernels on
-        jit's loading thread: a job's first batch does not wait ~0.6-1 s for numba's start-up, the batches after it
-        take the kernels once every one is loaded, and none waits for the load."""
+    def _numpy_for_now(self, kernel: Any, samples: int) -> bool:
+        """Whether a read of `samples` samples takes `kernel`'s numpy twin (or its Python function): numba has not
+        started in this process, or kernels are loading in the background. Past _NUMPY_SAMPLES such samples (or when
+        a Loader has handed over its first batch) this dataset's kernels load on jit's loading thread: a job's first
+        batch does not wait ~0.6-1 s for numba's start-up, later batches take the kernels once every one is loaded,
+        and none waits for the load."""
         if ready(kernel) or started():
             return False
-        if "_kernels_asked" not in self.__dict__:
+        _NUMPY_SERVED[0] += samples
+        if _NUMPY_SERVED[0] >= _NUMPY_SAMPLES and "_kernels_asked" not in self.__dict__:
             self._kernels_asked = True
             load_in_background(self._load_kernels_now)
         return True
@@ -1167,7 +1175,7 @@ class GPTDataset:
         (_gather_numpy) until the kernels are loaded (_numpy_for_now): a job's first batch or a user's ds[0] does not
         wait ~1 s for numba's start-up."""
         args = self._direct_args()
-        if args is not None and self._numpy_for_now(_gather):
+        if args is not None and self._numpy_for_now(_gather, len(ids)):
             return _gather_numpy(ids, *args, block, self._slot(self._mapped_path)) == 0
         return args is not None and _gather(ids, *args, block, self._slot(self._mapped_path)) == 0
 
@@ -1189,7 +1197,7 @@ class GPTDataset:
         args = self._direct_args()
         if args is None:
             return False
-        if self._numpy_for_now(_gather_bounded):  # the numpy twins, until the kernels are loaded (_read_fields)
+        if self._numpy_for_now(_gather_bounded, len(ids)):  # the numpy twins, until the kernels load (_read_fields)
             if not self._read_fields(ids, block):
                 return False
             self._boundaries(ids, cu_seqlens, max_seqlen, block[3])
@@ -1270,7 +1278,7 @@ class GPTDataset:
                 path = self._mapped_path = indexed.reader.memory_location
             arrays = (ids, self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths,
                       indexed.sequence_pointers, indexed.dtype.itemsize, memory)  # fmt: skip
-            if self._numpy_for_now(_gather):  # until the kernels are loaded (_read_fields)
+            if self._numpy_for_now(_gather, len(ids)):  # until the kernels are loaded (_read_fields)
                 status = _text_numpy(*arrays, extra, text, self._slot(path))
             else:
                 status = _gather(*arrays, self._options(), text, _NO_FIELDS, self._slot(path))
@@ -1312,7 +1320,7 @@ class GPTDataset:
             arrays = (self.shuffle_index, self.sample_index, self.document_index, indexed.sequence_lengths)
             args = self._boundary_args = (*(np.asarray(a) for a in arrays), self.config.extra)
         s = self.config.seq_length
-        if self._numpy_for_now(_document_boundaries):  # (the Python function would call reset_positions' kernel)
+        if self._numpy_for_now(_document_boundaries, len(ids)):  # (its Python function calls reset_positions)
             status = _document_boundaries.py_func(ids, *args, s, cu_seqlens, max_seqlen, _NO_POSITIONS)
             if status == 0 and positions.shape[0] == len(ids):
                 reset_positions_numpy(cu_seqlens, positions)
@@ -1335,7 +1343,7 @@ class GPTDataset:
         loaded (_numpy_for_now), the kernel's Python function, a loop over a few pieces: a first batch read without a
         memory map (O_DIRECT, pread, remote) starts no numba, as _read_fields' numpy twin."""
         indexed, extra = self.indexed, self.config.extra
-        kernel = _sample_pieces.py_func if self._numpy_for_now(_sample_pieces) else _sample_pieces
+        kernel = _sample_pieces.py_func if self._numpy_for_now(_sample_pieces, len(ids)) else _sample_pieces
         return kernel(
             self.shuffle_index[ids].astype(np.int64),
             self.sample_index,

@@ -125,11 +125,27 @@ def seen(worker):  # what a forked loader worker finds loaded
     dump("worker", {"loading": jit.loading(), "pieces": jit.ready(_sample_pieces), "fields": jit.ready(fill_fields)})
 
 
-# A child forked before anything has started numba: the loader alone, with a forked worker (load_kernels before it).
+def as_lists(batch):
+    return {k: v.tolist() for k, v in batch.items()}
+
+
+# Two children forked before anything has started numba: a loader with a forked worker (load_kernels before the fork),
+# and one reading in the process, whose handing over of its first batch asks for the kernels (the lock holds the load).
 loader_pid = os.fork()
 if loader_pid == 0:
     loader = make_loader(build("pread"), 4, num_workers=1, multiprocessing_context="fork", worker_init_fn=seen)
-    dump("loader", [{k: v.tolist() for k, v in b.items()} for _, b in zip(range(2), loader)])
+    dump("loader", [as_lists(b) for _, b in zip(range(2), loader)])
+    os._exit(0)
+in_process_pid = os.fork()
+if in_process_pid == 0:
+    global_compiler_lock.acquire()
+    batches = iter(make_loader(build("direct"), 4))
+    first = next(batches)
+    state = {"asked": jit.loading(), "started": jit.started()}
+    global_compiler_lock.release()
+    jit.finish_loading()
+    state["ready"] = jit.ready(_sample_pieces) and jit.ready(fill_fields)
+    dump("in_process", {**state, "batches": [as_lists(first), as_lists(next(batches))]})
     os._exit(0)
 datasets = {name: build(name) for name in cases}
 # The background load waits on numba's compiler lock, held here: every batch below must come without it.
@@ -145,7 +161,7 @@ if pid == 0:
     ready = all(map(jit.ready, KERNELS.values()))
     dump("child", {"loading": jit.loading(), "ready": ready, "rows": rows(datasets["pread"])})
     os._exit(0)
-statuses = [os.waitpid(p, 0)[1] for p in (pid, loader_pid)]
+statuses = [os.waitpid(p, 0)[1] for p in (pid, loader_pid, in_process_pid)]
 jit.finish_loading()  # the background load alone, then load_kernels as a loader calls it before it forks
 after_load = {name: jit.ready(k) for name, k in KERNELS.items()}
 waited["slot_kept"] = readwatch._slots().last_location is named
@@ -164,7 +180,8 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
     read again through the kernels, are equal bit for bit; the load, calling the gathers of memory-mapped datasets,
     leaves the file named in the process's readwatch slot as this thread's last read left it. A child forked before
     numba started runs the loader with a forked worker: load_kernels loads the kernels before that fork (the worker
-    finds them), the same batches."""
+    finds them), the same batches; another runs it without workers: handing over its first batch (8 samples, fewer than
+    a process reads before it asks for the kernels itself) asks for the kernels, the same batches."""
     blend = [1, corpora[0], 2, corpora[1]]  # uint16 with empty documents, int32
     root = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", FIRST_BATCHES, json.dumps(blend), json.dumps(CASES), str(root)],
@@ -173,7 +190,7 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
     fresh = json.loads(proc.stdout.strip().splitlines()[-1])
     waited = {"loading": True, "started": False, "any_ready": False, "fork_in_flight": True, "slot_kept": True}
     assert fresh["waited"] == waited
-    assert fresh["statuses"] == [0, 0] and fresh["started"] is True
+    assert fresh["statuses"] == [0, 0, 0] and fresh["started"] is True
     assert all(fresh["after_load"].values()), fresh["after_load"]
     for name in CASES:
         assert fresh["first"][name] == fresh["again"][name], name
@@ -182,6 +199,9 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
 
     worker = json.loads((root / "worker.json").read_text())
     assert worker == {"loading": False, "pieces": True, "fields": True}, worker
-    first = fresh["first"]["pread"][0]  # get_batch of samples 0..7
-    for step, batch in enumerate(json.loads((root / "loader.json").read_text())):
-        assert batch == {k: v[step * 4 : step * 4 + 4] for k, v in first.items()}, step
+    in_process = json.loads((root / "in_process.json").read_text())
+    assert (in_process["asked"], in_process["started"], in_process["ready"]) == (True, False, True), in_process
+    for name, batches in (("pread", json.loads((root / "loader.json").read_text())), ("direct", in_process["batches"])):
+        first = fresh["first"][name][0]  # get_batch of samples 0..7
+        for step, batch in enumerate(batches):
+            assert batch == {k: v[step * 4 : step * 4 + 4] for k, v in first.items()}, (name, step)
