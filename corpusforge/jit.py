@@ -19,6 +19,13 @@ marks calls whose kernels must be loaded now (a loader's `load_kernels`, the bac
 says True. `finish_loading()` waits for the load; it is also done before every os.fork(), so that no child inherits
 numba's compiler lock or an import lock held by a thread it does not have.
 
+That thread only loads kernels from numba's on-disk cache; it never compiles. numba's compiler enters
+`warnings.catch_warnings` thousands of times, and Python's warnings state is one per process: a compile beside the
+main thread lost the main thread's warnings (a `pytest.warns` block saw none) and could leave a block's filters in place
+for good. A compile the thread would start (a cold cache: a first run after an install or a change) ends the background
+load; the reads then call their kernels, which compile where they are, as before there was a background load
+(`must_compile`).
+
 Example:
     >>> @njit(nogil=True)
     ... def add(a, b):
@@ -35,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import numba
+import numba.core.event
 
 
 def njit(**options) -> Callable[[Callable], Callable]:
@@ -123,12 +131,15 @@ def compiling() -> Iterator[None]:
 
 def load_in_background(load: Callable[[], None]) -> None:
     """Run `load` on this process's kernel-loading thread, under `compiling()`, after the loads asked before it;
-    return at once. Until every load asked is done, `ready` and `started` say False on the other threads.
+    return at once. Until every load asked is done, `ready` and `started` say False on the other threads. Where a
+    kernel had to be compiled (not in numba's cache), nothing is loaded here: see must_compile.
 
     Example:
         >>> load_in_background(dataset.load_kernels)
     """
     global _LOADER
+    if _MUST_COMPILE[0]:  # the reads compile their kernels themselves now
+        return
     with _LOCK:
         _QUEUE.append(load)
         if _LOADER is None:
@@ -138,19 +149,54 @@ def load_in_background(load: Callable[[], None]) -> None:
             _LOADER.start()
 
 
+class _CompileNeeded(Exception):
+    """Raised on the loading thread where numba would compile a kernel: that thread only loads from the cache."""
+
+
+class _NoCompileHere(numba.core.event.Listener):
+    """Stops a compile on the loading thread before it starts (numba's "numba:compile" event comes after its cache
+    lookup missed, and before any type inference)."""
+
+    def on_start(self, event: numba.core.event.Event) -> None:
+        if threading.current_thread() is _LOADER:
+            raise _CompileNeeded
+
+    def on_end(self, event: numba.core.event.Event) -> None:
+        pass
+
+
 def _load_queued() -> None:
     global _LOADER
     _HERE.compiling = True
     while True:
         with _LOCK:
-            if not _QUEUE:  # the load is over for the other threads at this very point, under the lock
+            if not _QUEUE or _MUST_COMPILE[0]:  # the load is over for the other threads at this very point
+                _QUEUE.clear()  # after a compile was needed, the reads load their kernels themselves (must_compile)
                 _LOADER = None
                 return
             load = _QUEUE.pop(0)
         try:
             load()
+        except _CompileNeeded:
+            _MUST_COMPILE[0] = True
         except BaseException as error:  # kept for finish_loading's caller: a thread's error is printed, not raised
             _ERRORS.append(error)
+
+
+def must_compile() -> bool:
+    """Whether the background load met a kernel missing from numba's cache: the reads then call their kernels
+    (compiling them where they are, as before there was a background load) instead of their numpy twins.
+
+    Example:
+        >>> must_compile()
+        False
+    """
+    return _MUST_COMPILE[0]
+
+
+# Whether a kernel had to be compiled: loads then run on the thread that asks for them (load_in_background).
+_MUST_COMPILE = [False]
+numba.core.event.register("numba:compile", _NoCompileHere())
 
 
 def loading() -> bool:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corpusforge.jit import njit, ready, started
+from corpusforge.jit import must_compile, njit, ready, started
 
 if TYPE_CHECKING:
     from corpusforge.data.gpt_dataset import GPTDatasetConfig
@@ -200,8 +200,9 @@ def _fill_bounded(text, options, boundaries, max_in, out) -> None:
 
 def _compiled(kernel: Any) -> bool:
     """Whether to call `kernel` rather than its numpy twin: numba has started in this process and no load is in
-    flight in the background (jit.py); until then a batch does not wait ~0.6-1 s for numba's start-up."""
-    return ready(kernel) or started()
+    flight in the background (jit.py), or a kernel had to be compiled (a cold cache: jit.must_compile); until then a
+    batch does not wait ~0.6-1 s for numba's start-up."""
+    return ready(kernel) or started() or must_compile()
 
 
 def _fill_bounded_numpy(text, options, boundaries, max_in, out) -> None:

@@ -73,7 +73,16 @@ from corpusforge.data.cache import IndexCache, describe_dataset, picklable, unpi
 from corpusforge.data.mt19937 import seeded, shuffle
 from corpusforge.errors import ArgumentError
 from corpusforge.indexed import IndexedDataset
-from corpusforge.jit import compiling, compiling_here, finish_loading, load_in_background, njit, ready, started
+from corpusforge.jit import (
+    compiling,
+    compiling_here,
+    finish_loading,
+    load_in_background,
+    must_compile,
+    njit,
+    ready,
+    started,
+)
 from corpusforge.storage import readwatch
 from corpusforge.storage.readwatch_kernels import OFFSET, mark_begin, mark_end, monotonic_ns
 
@@ -1090,7 +1099,7 @@ class GPTDataset:
         a Loader has handed over its first batch) this dataset's kernels load on jit's loading thread: a job's first
         batch does not wait ~0.6-1 s for numba's start-up, later batches take the kernels once every one is loaded,
         and none waits for the load."""
-        if ready(kernel) or started():
+        if ready(kernel) or started() or must_compile():  # (a cold numba cache: the kernels compile here)
             return False
         _NUMPY_SERVED[0] += samples
         if _NUMPY_SERVED[0] >= _NUMPY_SAMPLES and "_kernels_asked" not in self.__dict__:

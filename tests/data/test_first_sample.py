@@ -5,6 +5,7 @@ flight waits for it, and load_kernels leaves the kernels loaded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,8 @@ CASES = {
 CASES["pread-mask"] = ("pread", {"create_attention_mask": True})
 
 FIRST_BATCHES = """
-import json, os, sys
+import json, os, sys, threading
+import numba.core.event
 from numba.core.compiler_lock import global_compiler_lock
 from corpusforge import jit
 from corpusforge.data import build_gpt_datasets, make_loader
@@ -101,6 +103,18 @@ from corpusforge.data.gpt_dataset import _document_boundaries, _gather, _sample_
 from corpusforge.storage import StorageConfig, readwatch
 
 blend, cases, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+COMPILED_ON = set()  # the threads numba compiled on (jit's own listener, registered first, stops the kernel thread's)
+
+
+class Compiles(numba.core.event.Listener):
+    def on_start(self, event):
+        COMPILED_ON.add(threading.current_thread().name)
+
+    def on_end(self, event):
+        pass
+
+
+numba.core.event.register("numba:compile", Compiles())
 KERNELS = {"_sample_pieces": _sample_pieces, "fill_fields": fill_fields, "_gather": _gather,
            "_document_boundaries": _document_boundaries, "_fill_bounded": _fill_bounded, "_split_text": _split_text}
 
@@ -168,8 +182,48 @@ waited["slot_kept"] = readwatch._slots().last_location is named
 for ds in datasets.values():
     ds.load_kernels()
 print(json.dumps({"waited": waited, "statuses": statuses, "after_load": after_load, "started": jit.started(),
-                  "first": first, "again": {name: rows(ds) for name, ds in datasets.items()}}))
+                  "first": first, "again": {name: rows(ds) for name, ds in datasets.items()},
+                  "must_compile": jit.must_compile(), "compiled_on": sorted(COMPILED_ON)}))
 """
+
+# The main thread's warnings while the kernels load beside it: each block records its own warning, and the process's
+# warnings state is what it was. numba's compiler enters catch_warnings thousands of times (Python's warnings state is
+# one per process): the kernel thread must not compile. scipy is imported first: its import, which a cached load runs on
+# that thread, holds one catch_warnings block of a few attribute lookups, not what is tested here.
+WARNINGS = """
+import json, sys, warnings
+import scipy.linalg
+from corpusforge import jit
+from corpusforge.data import build_gpt_datasets
+from corpusforge.data.gpt_dataset import _sample_pieces
+from corpusforge.storage import StorageConfig
+
+ds = build_gpt_datasets(json.loads(sys.argv[1]), 64, "1", 1234, (300, 0, 0), sys.argv[2],
+                        StorageConfig(read_mode="pread"), eod_token_id=0, eod_mask_loss=True)[0]
+before = (list(warnings.filters), warnings.showwarning)
+jit.load_in_background(ds.load_kernels)
+loops = lost = 0
+while jit.loading():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.warn("from the main thread")
+    loops, lost = loops + 1, lost + (len(seen) != 1)
+jit.finish_loading()
+# The main thread's blocks left nothing behind (an import on the kernel thread may add filters of its own: awkward's)
+always = ("always", None, Warning, None, 0)
+kept = all(f in warnings.filters for f in before[0]) and (always in before[0] or always not in warnings.filters)
+print(json.dumps({"loops": loops, "lost": lost, "same": kept and warnings.showwarning is before[1],
+                  "must_compile": jit.must_compile(), "ready": jit.ready(_sample_pieces)}))
+"""
+
+
+def fresh_process(script: str, cache: Path, *args: str) -> dict:
+    """The JSON `script` prints, run in a fresh process whose numba cache is `cache`."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          cwd=Path.cwd(), env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -181,19 +235,34 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
     leaves the file named in the process's readwatch slot as this thread's last read left it. A child forked before
     numba started runs the loader with a forked worker: load_kernels loads the kernels before that fork (the worker
     finds them), the same batches; another runs it without workers: handing over its first batch (8 samples, fewer than
-    a process reads before it asks for the kernels itself) asks for the kernels, the same batches."""
+    a process reads before it asks for the kernels itself) asks for the kernels, the same batches.
+
+    Twice, with a numba cache of its own: empty first (the kernel thread meets a compile, stops, and the kernels
+    compile on the main thread, the same batches), then as the first run left it (nothing compiles at all).
+
+    Before and after them: a main thread entering catch_warnings over and over while the kernels load beside it
+    records each of its warnings, and leaves the process's filters and showwarning as it found them (none of its
+    blocks' left behind, none of the others' lost), with the cache empty (the kernel thread stops at its first compile,
+    which on that thread lost the main thread's warnings: a pytest.warns block saw none) and filled."""
     blend = [1, corpora[0], 2, corpora[1]]  # uint16 with empty documents, int32
+    cache = tmp_path / "numba-cache"
+    empty = fresh_process(WARNINGS, cache, json.dumps(blend), str(tmp_path / "empty"))
+    assert (empty["must_compile"], empty["ready"], empty["lost"], empty["same"]) == (True, False, 0, True), empty
+    cold = fresh_process(FIRST_BATCHES, cache, json.dumps(blend), json.dumps(CASES), str(tmp_path / "cold"))
+    assert cold["must_compile"] is True and cold["compiled_on"] == ["MainThread"], cold["compiled_on"]
+    assert cold["statuses"] == [0, 0, 0] and cold["started"] is True
+    for name in CASES:
+        assert cold["first"][name] == cold["again"][name], name
+
     root = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", FIRST_BATCHES, json.dumps(blend), json.dumps(CASES), str(root)],
-                          capture_output=True, text=True, timeout=120, cwd=Path.cwd())  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    fresh = fresh_process(FIRST_BATCHES, cache, json.dumps(blend), json.dumps(CASES), str(root))
+    assert fresh["must_compile"] is False and fresh["compiled_on"] == []
     waited = {"loading": True, "started": False, "any_ready": False, "fork_in_flight": True, "slot_kept": True}
     assert fresh["waited"] == waited
     assert fresh["statuses"] == [0, 0, 0] and fresh["started"] is True
     assert all(fresh["after_load"].values()), fresh["after_load"]
     for name in CASES:
-        assert fresh["first"][name] == fresh["again"][name], name
+        assert fresh["first"][name] == fresh["again"][name] == cold["first"][name], name
     child = json.loads((root / "child.json").read_text())
     assert child["loading"] is False and child["ready"] is True and child["rows"] == fresh["first"]["pread"]
 
@@ -205,3 +274,6 @@ def test_first_batches_come_from_numpy_while_the_kernels_load_then_the_same_from
         first = fresh["first"][name][0]  # get_batch of samples 0..7
         for step, batch in enumerate(batches):
             assert batch == {k: v[step * 4 : step * 4 + 4] for k, v in first.items()}, (name, step)
+    filled = fresh_process(WARNINGS, cache, json.dumps(blend), str(tmp_path / "filled"))
+    assert (filled["must_compile"], filled["ready"], filled["lost"], filled["same"]) == (False, True, 0, True), filled
+    assert filled["loops"] > 0, filled  # the main thread did run beside the load
