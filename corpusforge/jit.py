@@ -194,7 +194,7 @@ def must_compile() -> bool:
     return _MUST_COMPILE[0]
 
 
-# Whether a kernel had to be compiled: loads then run on the thread that asks for them (load_in_background).
+# Whether the loading thread met a kernel missing from numba's cache: the reads then compile theirs (must_compile).
 _MUST_COMPILE = [False]
 numba.core.event.register("numba:compile", _NoCompileHere())
 
@@ -215,17 +215,21 @@ def finish_loading() -> None:
     Example:
         >>> finish_loading()
     """
-    while (loader := _LOADER) is not None and loader is not threading.current_thread():
-        loader.join()
+    _join_loader()
     if _ERRORS and not compiling_here():
         raise _ERRORS.pop(0)
+
+
+def _join_loader() -> None:
+    """Wait for the loading thread, unless this is it (a load's own calls wait for nothing)."""
+    while (loader := _LOADER) is not None and loader is not threading.current_thread():
+        loader.join()
 
 
 def _before_fork() -> None:
     # A child has only the forking thread: a loader thread's locks (numba's compiler lock, an import lock) would stay
     # held there for good. Errors stay for the next finish_loading (an exception here would only be printed).
-    while (loader := _LOADER) is not None and loader is not threading.current_thread():
-        loader.join()
+    _join_loader()
 
 
 def _after_fork_in_child() -> None:
